@@ -1,0 +1,108 @@
+"""Standalone upload / download API (async functions and their sync twins)."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+
+from ._loop import run_sync
+from .config import TransferConfig
+from .engine.progress import ProgressCallback
+from .engine.transfer import FileResult, Transfer
+from .errors import ObjectNotFoundError
+from .stores import open_store
+from .uri import StorageURI, join_key, parse_uri
+
+PathLike = str | os.PathLike[str]
+
+
+def _target(uri: str | StorageURI) -> StorageURI:
+    parsed = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
+    if parsed.backend == "delegate":
+        raise ValueError(f"{parsed.raw!r}: scheme {parsed.scheme!r} is not a fastckpt backend; "
+                         "use fastckpt.fs.filesystem() to reach it through pyarrow")
+    return parsed
+
+
+def local_files(src: str) -> list[tuple[str, str]]:
+    """(path, relative '/'-path) of every file below directory ``src``, sorted."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(src):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            out.append((path, os.path.relpath(path, src).replace(os.sep, "/")))
+    return out
+
+
+async def upload_async(
+    src: PathLike, dst: str | StorageURI, *, config: TransferConfig | None = None,
+    progress: ProgressCallback | None = None,
+) -> list[FileResult]:
+    """Upload a local file or directory to ``dst``.
+
+    A file goes to ``dst`` itself, or below it when ``dst`` ends with '/'. A directory's files go below
+    ``dst`` with their relative paths.
+    """
+    src = os.fspath(src)
+    target = _target(dst)
+    if not os.path.exists(src):
+        raise FileNotFoundError(f"source {src} does not exist")
+    if os.path.isdir(src):
+        pairs = [(path, target.join(rel)) for path, rel in local_files(src)]
+    else:
+        key = target.join(os.path.basename(src)) if str(dst).endswith("/") else target.key
+        pairs = [(src, key)]
+    async with open_store(target, config) as store:
+        transfer = Transfer(store, config, progress)
+        try:
+            return await transfer.upload_files(pairs)
+        finally:
+            transfer.close()
+
+
+async def download_async(
+    src: str | StorageURI, dst: PathLike, *, config: TransferConfig | None = None,
+    progress: ProgressCallback | None = None,
+) -> list[FileResult]:
+    """Download an object or every object below a prefix to the local path ``dst``.
+
+    An object lands at ``dst`` (or inside it when ``dst`` is a directory or ends with '/'); a prefix's
+    objects land below ``dst`` with their relative keys.
+    """
+    dst = os.fspath(dst)
+    source = _target(src)
+    async with open_store(source, config) as store:
+        transfer = Transfer(store, config, progress)
+        try:
+            try:
+                await store.head(source.key)
+                is_object = bool(source.key)
+            except (ObjectNotFoundError, IsADirectoryError):
+                is_object = False
+            if is_object:
+                path = dst
+                if os.path.isdir(dst) or dst.endswith(("/", os.sep)):
+                    path = os.path.join(dst, posixpath.basename(source.key))
+                return await transfer.download_files([(source.key, path)])
+            if os.path.isfile(dst):
+                raise NotADirectoryError(f"destination {dst} is a file, but {source.raw} is a directory")
+            pairs = [(key, os.path.join(dst, *rel.split("/"))) for key, rel in await transfer.keys_below(source.key)]
+            return await transfer.download_files(pairs)
+        finally:
+            transfer.close()
+
+
+def upload(src: PathLike, dst: str | StorageURI, *, config: TransferConfig | None = None,
+           progress: ProgressCallback | None = None) -> list[FileResult]:
+    """Sync twin of ``upload_async``; safe to call from a thread that runs an event loop."""
+    return run_sync(upload_async(src, dst, config=config, progress=progress))
+
+
+def download(src: str | StorageURI, dst: PathLike, *, config: TransferConfig | None = None,
+             progress: ProgressCallback | None = None) -> list[FileResult]:
+    """Sync twin of ``download_async``; safe to call from a thread that runs an event loop."""
+    return run_sync(download_async(src, dst, config=config, progress=progress))
+
+
+__all__ = ["download", "download_async", "join_key", "upload", "upload_async"]

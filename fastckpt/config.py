@@ -1,0 +1,77 @@
+"""Transfer settings, with environment overrides (``FASTCKPT_PART_SIZE=64MiB`` and so on)."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields, replace
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``64MiB``, ``8m``, ``1.5GiB`` or a plain integer into bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match[2].lower() not in _UNITS:
+        raise ValueError(f"invalid size {text!r}: expected e.g. 64MiB, 512k, 1GiB")
+    return int(float(match[1]) * _UNITS[match[2].lower()])
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How transfers are split, bounded and retried.
+
+    Memory use is bounded by ``part_size * max_in_flight`` (the buffer pool), whatever the size of
+    the data moved.
+    """
+
+    part_size: int = 32 << 20
+    """Bytes per multipart part and per hashed chunk (scaled up when a backend's part limit needs it)."""
+    max_in_flight: int = 8
+    """Parts (requests carrying data) in flight at once, over all files; also the buffer-pool size."""
+    max_open_files: int = 64
+    """Files being transferred at once (small files are many; each still takes a pool buffer)."""
+    multipart_threshold: int = 32 << 20
+    """Files larger than this are sent as parallel multipart uploads."""
+    retries: int = 6
+    """Attempts after the first for a retryable error."""
+    backoff_base: float = 0.2
+    """First backoff in seconds; doubles each retry, with full jitter."""
+    backoff_max: float = 10.0
+    """Longest single backoff in seconds."""
+    verify: bool = True
+    """Check digests on download when the object records one."""
+    digest_metadata: bool = True
+    """Store the file digest as object metadata (may need a hashing pass before an S3 multipart upload)."""
+    fsync: bool = True
+    """fsync downloaded files and local-store writes before they become visible."""
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> TransferConfig:
+        """Defaults, then ``FASTCKPT_<FIELD>`` environment variables, then ``overrides``."""
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            env = os.environ.get(f"FASTCKPT_{f.name.upper()}")
+            if env is not None:
+                values[f.name] = _convert(f.name, f.type, env)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return replace(cls(), **values)
+
+
+def _convert(name: str, type_name: object, text: str) -> object:
+    kind = str(type_name)
+    try:
+        if kind == "bool":
+            if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(text)
+            return text.lower() in ("1", "true", "yes", "on")
+        if kind == "float":
+            return float(text)
+        if name in ("part_size", "multipart_threshold"):
+            return parse_size(text)
+        return int(text)
+    except ValueError:
+        raise ValueError(f"invalid value {text!r} for FASTCKPT_{name.upper()}") from None

@@ -1,0 +1,48 @@
+"""Chunk planning: how a file of a given size is cut into parts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import TransferConfig
+from ..stores.base import Store
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Parts of one file: all ``part_size`` bytes except the last."""
+
+    size: int
+    part_size: int
+    multipart: bool
+
+    @property
+    def count(self) -> int:
+        """Number of parts (0 for an empty file)."""
+        return -(-self.size // self.part_size)
+
+    def part(self, index: int) -> tuple[int, int]:
+        """(offset, length) of part ``index``."""
+        offset = index * self.part_size
+        return offset, min(self.part_size, self.size - offset)
+
+
+def plan_upload(size: int, config: TransferConfig, store: Store) -> Plan:
+    """Part size scaled up (in whole MiB) until the file fits the backend's part-count limit."""
+    part = max(config.part_size, store.min_part_size)
+    if size > part * store.max_parts:
+        part = -(-size // store.max_parts)
+        part = -(-part // MiB) * MiB
+    if part > store.max_part_size:
+        raise ValueError(f"{size} bytes exceed what {store.name} can store in {store.max_parts} parts")
+    return Plan(size, part, size > config.multipart_threshold)
+
+
+def plan_download(size: int, chunk_size: int | None, config: TransferConfig) -> Plan:
+    """Read requests aligned to the recorded chunk size (a multiple of it near ``part_size``)."""
+    if not chunk_size:
+        return Plan(size, config.part_size, True)
+    part = chunk_size * max(1, config.part_size // chunk_size)
+    return Plan(size, part, True)

@@ -1,0 +1,111 @@
+"""Chunk and file digests (XXH3-128), through the native accelerator when it is built.
+
+A chunk's digest is XXH3-128 of its bytes. A file's digest is XXH3-128 of its chunk digests in order;
+it is recorded with the chunk size, so a reader recomputes it from the same chunk boundaries however
+it splits its own requests.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import xxhash
+
+from .errors import IntegrityError
+
+DIGEST_ALGO = "xxh3-128"
+META_DIGEST = "fastckpt-xxh3"
+META_CHUNK = "fastckpt-chunk"
+
+
+def _load_native():  # noqa: ANN202
+    if os.environ.get("FASTCKPT_NATIVE", "1").lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        from . import _native  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _native
+
+
+_native = _load_native()
+NATIVE = _native is not None
+
+
+def hash_chunk(data: bytes | bytearray | memoryview) -> bytes:
+    """XXH3-128 digest (16 bytes) of one chunk."""
+    if _native is not None:
+        return _native.xxh3_128(data)
+    return xxhash.xxh3_128_digest(data)
+
+
+def hash_chunks(data: bytes | bytearray | memoryview, chunk_size: int) -> list[bytes]:
+    """Digests of ``data`` cut into ``chunk_size`` pieces (the last may be shorter)."""
+    if _native is not None:
+        return _native.xxh3_128_chunks(data, chunk_size)
+    view = memoryview(data)
+    return [xxhash.xxh3_128_digest(view[i : i + chunk_size]) for i in range(0, len(view), chunk_size)]
+
+
+def read_and_hash(fd: int, offset: int, buf: memoryview) -> bytes:
+    """Fill ``buf`` from ``fd`` at ``offset`` (all of it, or raise) and return its digest."""
+    if _native is not None:
+        return _native.read_and_hash(fd, offset, buf)
+    read_exact(fd, offset, buf)
+    return xxhash.xxh3_128_digest(buf)
+
+
+def read_exact(fd: int, offset: int, buf: memoryview) -> None:
+    """Fill ``buf`` from ``fd`` at ``offset``; short reads are retried, EOF raises."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            raise EOFError(f"file ended at byte {offset + done}, {len(buf) - done} bytes short")
+        done += n
+
+
+def write_at(fd: int, offset: int, buf: memoryview) -> None:
+    """Write all of ``buf`` to ``fd`` at ``offset``."""
+    if _native is not None:
+        _native.write_at(fd, offset, buf)
+        return
+    done = 0
+    while done < len(buf):
+        done += os.pwritev(fd, [buf[done:]], offset + done)
+
+
+def combine(chunk_digests: list[bytes]) -> str:
+    """Hex file digest from its chunk digests in order."""
+    return xxhash.xxh3_128_hexdigest(b"".join(chunk_digests))
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """What is recorded for one file: its size, the chunk size used, and the combined digest."""
+
+    size: int
+    chunk_size: int
+    digest: str
+
+    def metadata(self) -> dict[str, str]:
+        """Object-metadata form."""
+        return {META_DIGEST: self.digest, META_CHUNK: str(self.chunk_size)}
+
+    @classmethod
+    def from_metadata(cls, size: int, metadata: dict[str, str] | None) -> FileDigest | None:
+        """Parse the object-metadata form; None when the object carries no digest."""
+        meta = {k.lower(): v for k, v in (metadata or {}).items()}
+        if META_DIGEST not in meta or META_CHUNK not in meta:
+            return None
+        try:
+            return cls(size, int(meta[META_CHUNK]), meta[META_DIGEST])
+        except ValueError:
+            return None
+
+    def check(self, chunk_digests: list[bytes], what: str) -> None:
+        """Raise ``IntegrityError`` naming ``what`` when the digests do not match."""
+        got = combine(chunk_digests)
+        if got != self.digest:
+            raise IntegrityError(f"{what}: digest mismatch (expected {DIGEST_ALGO} {self.digest}, got {got})")

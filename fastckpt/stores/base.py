@@ -1,0 +1,158 @@
+"""The async store protocol every backend implements (shaped like Rust object_store's ObjectStore).
+
+Keys are '/'-separated strings relative to the store's bucket (or, for the local store, to '/').
+Backends know nothing of checkpoints, manifests or digests beyond carrying string metadata.
+Backends raise the exceptions of ``fastckpt.errors``: ObjectNotFoundError, AlreadyExistsError,
+AccessDeniedError, TransientStoreError (retryable) or StoreError.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """What ``head`` and ``list`` report about one object."""
+
+    key: str
+    size: int
+    mtime: float = 0.0
+    etag: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """One uploaded part: its 0-based index and whatever the backend needs to complete."""
+
+    index: int
+    size: int
+    token: str = ""
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    """A multipart upload that was started and neither completed nor aborted."""
+
+    key: str
+    upload_id: str
+    started: float = 0.0
+
+
+class MultipartUpload(abc.ABC):
+    """One object being written in parts. Parts may be sent concurrently and in any order.
+
+    All parts but the last are ``part_size`` bytes (given to ``Store.create_multipart``). The object
+    becomes visible only on ``complete``; ``abort`` removes every trace of it.
+    """
+
+    key: str
+    upload_id: str
+
+    @abc.abstractmethod
+    async def put_part(self, index: int, data: Buffer) -> PartInfo:
+        """Upload part ``index`` (0-based)."""
+
+    @abc.abstractmethod
+    async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
+        """Assemble ``parts`` (sorted by index) into the object.
+
+        ``metadata`` is applied where the backend can set it at completion
+        (``Store.metadata_on_complete``); otherwise the metadata given at creation stands.
+        """
+
+    @abc.abstractmethod
+    async def abort(self) -> None:
+        """Discard the upload and its parts. Safe to call more than once."""
+
+
+class Store(abc.ABC):
+    """An object store. Create with the backend's constructor, use inside the event loop that will
+    drive it, and ``await close()`` at the end (or ``async with``)."""
+
+    name: str = "store"
+    min_part_size: int = 1
+    """Smallest size of a non-final part."""
+    max_part_size: int = 5 << 30
+    max_parts: int = 10_000
+    metadata_on_complete: bool = True
+    """Whether ``MultipartUpload.complete`` can set object metadata."""
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Release clients and connections."""
+
+    @abc.abstractmethod
+    async def head(self, key: str) -> ObjectMeta:
+        """Metadata of ``key``; ObjectNotFoundError when absent."""
+
+    @abc.abstractmethod
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes of ``key`` from ``start`` (fewer only at the end of the object)."""
+
+    async def read_into(self, key: str, start: int, buf: memoryview) -> int:
+        """Fill ``buf`` from ``key`` at ``start``; returns bytes read. Backends may avoid the copy."""
+        data = await self.get_range(key, start, len(buf))
+        buf[: len(data)] = data
+        return len(data)
+
+    @abc.abstractmethod
+    async def put(
+        self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None
+    ) -> None:
+        """Write ``key`` whole. With ``if_absent`` raise AlreadyExistsError if it exists."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> AsyncIterator[ObjectMeta]:
+        """All objects whose key starts with ``prefix`` + '/' (or equals it), recursively."""
+
+    async def list_dir(self, prefix: str = "") -> tuple[list[ObjectMeta], list[str]]:
+        """Objects directly below ``prefix`` and the names of its sub-'directories' (full keys)."""
+        base = prefix.strip("/")
+        objects: list[ObjectMeta] = []
+        dirs: dict[str, None] = {}
+        async for meta in self.list(base):
+            rest = meta.key[len(base) + 1 :] if base else meta.key
+            if "/" in rest:
+                dirs[(base + "/" if base else "") + rest.split("/", 1)[0]] = None
+            elif meta.key != base:
+                objects.append(meta)
+        return objects, list(dirs)
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove ``key``; no error when it is already absent."""
+
+    async def delete_many(self, keys: list[str]) -> None:
+        """Remove all ``keys``."""
+        for key in keys:
+            await self.delete(key)
+
+    @abc.abstractmethod
+    async def create_multipart(
+        self, key: str, part_size: int, metadata: dict[str, str] | None = None
+    ) -> MultipartUpload:
+        """Start a multipart upload of ``key`` whose parts (but the last) are ``part_size`` bytes."""
+
+    async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
+        """Multipart uploads under ``prefix`` never completed or aborted (for gc)."""
+        return []
+
+    async def abort_pending_upload(self, upload: PendingUpload) -> None:
+        """Abort an upload found by ``list_pending_uploads``."""
+
+
+def in_prefix(key: str, prefix: str) -> bool:
+    """Whether ``key`` lies at or below the '/'-separated ``prefix``."""
+    prefix = prefix.strip("/")
+    return not prefix or key == prefix or key.startswith(prefix + "/")

@@ -1,0 +1,300 @@
+"""Local / NFS filesystem store.
+
+Writes go to a temporary file beside the target (parallel ``pwrite`` at part offsets), are fsynced,
+then atomically renamed (or hard-linked, for create-if-absent) into place, and the directory is
+fsynced. Digests and other metadata are kept in ``user.`` extended attributes where supported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import secrets
+from collections.abc import AsyncIterator
+
+from ..config import TransferConfig
+from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError
+from ..integrity import read_exact, write_at
+from ..uri import StorageURI
+from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
+
+TMP_SUFFIX = ".fastckpt-part"
+_XATTR = "user.fastckpt."
+
+
+def _is_tmp(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TMP_SUFFIX)
+
+
+def _tmp_path(path: str) -> str:
+    head, tail = os.path.split(path)
+    return os.path.join(head, f".{tail}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+
+
+def _translate(exc: OSError, path: str) -> Exception:
+    if isinstance(exc, FileNotFoundError):
+        return ObjectNotFoundError(f"{path} does not exist")
+    if isinstance(exc, PermissionError):
+        return AccessDeniedError(f"{path}: permission denied")
+    if isinstance(exc, NotADirectoryError):
+        return StoreError(f"{path}: a parent of this path is a file, not a directory")
+    if isinstance(exc, IsADirectoryError):
+        return StoreError(f"{path} is a directory")
+    return StoreError(f"{path}: {exc.strerror or exc}")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _set_xattrs(path: str, metadata: dict[str, str]) -> None:
+    for k, v in metadata.items():
+        try:
+            os.setxattr(path, _XATTR + k, v.encode())
+        except OSError as exc:
+            if exc.errno in (errno.ENOTSUP, errno.EPERM, errno.E2BIG, errno.ENOSPC):
+                return
+            raise
+
+
+def _get_xattrs(path: str) -> dict[str, str]:
+    try:
+        names = [n for n in os.listxattr(path) if n.startswith(_XATTR)]
+        return {n[len(_XATTR) :]: os.getxattr(path, n).decode() for n in names}
+    except OSError:
+        return {}
+
+
+class LocalUpload(MultipartUpload):
+    """Parts ``pwrite``-n into one temporary file at ``index * part_size``."""
+
+    def __init__(self, store: LocalStore, key: str, part_size: int, metadata: dict[str, str]) -> None:
+        self.key, self._store, self._part_size, self._metadata = key, store, part_size, metadata
+        self._path = store.path(key)
+        self.upload_id = _tmp_path(self._path)
+        self._fd: int | None = os.open(self.upload_id, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+    async def put_part(self, index: int, data: Buffer) -> PartInfo:
+        fd = self._fd
+        if fd is None:
+            raise StoreError(f"multipart upload of {self._path} is no longer active")
+        await asyncio.to_thread(write_at, fd, index * self._part_size, memoryview(data))
+        return PartInfo(index, len(data))
+
+    async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
+        fd = self._fd
+        if fd is None:
+            raise StoreError(f"multipart upload of {self._path} is no longer active")
+        size = sum(p.size for p in parts)
+        if [p.index for p in parts] != list(range(len(parts))):
+            raise StoreError(f"multipart upload of {self._path}: parts are not 0..n-1")
+        self._fd = None
+
+        def finish() -> None:
+            try:
+                os.ftruncate(fd, size)
+                if self._store.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            _set_xattrs(self.upload_id, metadata or self._metadata)
+            os.replace(self.upload_id, self._path)
+            if self._store.fsync:
+                _fsync_dir(os.path.dirname(self._path))
+
+        try:
+            await asyncio.to_thread(finish)
+        except OSError as exc:
+            await self.abort()
+            raise _translate(exc, self._path) from exc
+
+    async def abort(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        try:
+            os.unlink(self.upload_id)
+        except FileNotFoundError:
+            pass
+
+
+class LocalStore(Store):
+    """Files below ``root`` (``/`` for URIs); keys are paths relative to it."""
+
+    name = "local"
+    max_parts = 1 << 31
+
+    def __init__(self, root: str = "/", *, fsync: bool = True) -> None:
+        self.root = os.path.abspath(root)
+        self.fsync = fsync
+
+    def path(self, key: str) -> str:
+        """Filesystem path of ``key``."""
+        return os.path.join(self.root, key.strip("/"))
+
+    def key(self, path: str) -> str:
+        """Key of a filesystem path below the root."""
+        return os.path.relpath(path, self.root).replace(os.sep, "/")
+
+    async def head(self, key: str) -> ObjectMeta:
+        path = self.path(key)
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise _translate(exc, path) from exc
+        if not os.path.isfile(path):
+            raise ObjectNotFoundError(f"{path} is not a file")
+        return ObjectMeta(key, st.st_size, st.st_mtime, None, _get_xattrs(path))
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        buf = bytearray(length)
+        n = await self.read_into(key, start, memoryview(buf))
+        return bytes(buf[:n])
+
+    async def read_into(self, key: str, start: int, buf: memoryview) -> int:
+        path = self.path(key)
+
+        def read() -> int:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                n = max(0, min(len(buf), size - start))
+                read_exact(fd, start, buf[:n])
+                return n
+            finally:
+                os.close(fd)
+
+        try:
+            return await asyncio.to_thread(read)
+        except OSError as exc:
+            raise _translate(exc, path) from exc
+
+    async def put(
+        self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None
+    ) -> None:
+        path = self.path(key)
+
+        def write() -> None:
+            if if_absent and os.path.lexists(path):
+                raise FileExistsError(errno.EEXIST, "exists", path)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = _tmp_path(path)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    write_at(fd, 0, memoryview(data))
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                _set_xattrs(tmp, metadata or {})
+                if if_absent:
+                    os.link(tmp, path)  # atomic create-if-absent, also on NFS
+                    os.unlink(tmp)
+                else:
+                    os.replace(tmp, path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+            if self.fsync:
+                _fsync_dir(os.path.dirname(path))
+
+        try:
+            await asyncio.to_thread(write)
+        except FileExistsError as exc:
+            raise AlreadyExistsError(f"{path} already exists") from exc
+        except OSError as exc:
+            raise _translate(exc, path) from exc
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectMeta]:
+        top = self.path(prefix)
+        entries = await asyncio.to_thread(self._walk, top)
+        for path, st in entries:
+            yield ObjectMeta(self.key(path), st.st_size, st.st_mtime)
+
+    @staticmethod
+    def _walk(top: str) -> list[tuple[str, os.stat_result]]:
+        if os.path.isfile(top):
+            return [(top, os.stat(top))]
+        out: list[tuple[str, os.stat_result]] = []
+        for dirpath, dirnames, filenames in os.walk(top):
+            dirnames.sort()
+            for name in sorted(filenames):
+                if not _is_tmp(name):
+                    path = os.path.join(dirpath, name)
+                    try:
+                        out.append((path, os.stat(path)))
+                    except FileNotFoundError:
+                        continue
+        return out
+
+    async def list_dir(self, prefix: str = "") -> tuple[list[ObjectMeta], list[str]]:
+        top = self.path(prefix)
+
+        def scan() -> tuple[list[ObjectMeta], list[str]]:
+            objects, dirs = [], []
+            try:
+                it = sorted(os.scandir(top), key=lambda e: e.name)
+            except (FileNotFoundError, NotADirectoryError):
+                return [], []
+            for entry in it:
+                if entry.is_dir():
+                    dirs.append(self.key(entry.path))
+                elif not _is_tmp(entry.name):
+                    st = entry.stat()
+                    objects.append(ObjectMeta(self.key(entry.path), st.st_size, st.st_mtime))
+            return objects, dirs
+
+        return await asyncio.to_thread(scan)
+
+    async def delete(self, key: str) -> None:
+        path = self.path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise _translate(exc, path) from exc
+
+    async def create_multipart(
+        self, key: str, part_size: int, metadata: dict[str, str] | None = None
+    ) -> MultipartUpload:
+        path = self.path(key)
+        try:
+            await asyncio.to_thread(os.makedirs, os.path.dirname(path), exist_ok=True)
+            return LocalUpload(self, key, part_size, dict(metadata or {}))
+        except OSError as exc:
+            raise _translate(exc, path) from exc
+
+    async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
+        def scan() -> list[PendingUpload]:
+            found = []
+            for dirpath, _dirs, files in os.walk(self.path(prefix)):
+                for name in files:
+                    if _is_tmp(name):
+                        tmp = os.path.join(dirpath, name)
+                        target = os.path.join(dirpath, name[1:].rsplit(".", 2)[0])
+                        try:
+                            found.append(PendingUpload(self.key(target), tmp, os.stat(tmp).st_mtime))
+                        except FileNotFoundError:
+                            continue
+            return found
+
+        return await asyncio.to_thread(scan)
+
+    async def abort_pending_upload(self, upload: PendingUpload) -> None:
+        try:
+            os.unlink(upload.upload_id)
+        except FileNotFoundError:
+            pass
+
+
+def from_uri(uri: StorageURI, config: TransferConfig) -> LocalStore:
+    """Local store rooted at '/' (keys are absolute paths without the leading slash)."""
+    return LocalStore("/", fsync=config.fsync)

@@ -1,0 +1,129 @@
+"""In-memory store: a real backend for unit tests and single-process use (``memory://bucket/p``).
+
+Buckets are process-global by name, so two stores opened on ``memory://b`` see the same objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ..config import TransferConfig
+from ..errors import AlreadyExistsError, ObjectNotFoundError, StoreError
+from ..uri import StorageURI
+from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+
+
+@dataclass
+class _Object:
+    data: bytes
+    metadata: dict[str, str]
+    mtime: float
+
+
+@dataclass
+class _Bucket:
+    objects: dict[str, _Object] = field(default_factory=dict)
+    pending: dict[str, MemoryUpload] = field(default_factory=dict)
+
+
+_BUCKETS: dict[str, _Bucket] = {}
+_ids = itertools.count(1)
+
+
+def clear_memory_buckets() -> None:
+    """Drop every in-memory bucket (tests)."""
+    _BUCKETS.clear()
+
+
+class MemoryUpload(MultipartUpload):
+    """Parts held in a dict until completion."""
+
+    def __init__(self, bucket: _Bucket, key: str, part_size: int, metadata: dict[str, str]) -> None:
+        self.key, self.upload_id = key, f"mem-{next(_ids)}"
+        self._bucket, self._part_size, self._metadata = bucket, part_size, metadata
+        self._parts: dict[int, bytes] = {}
+        self.started = time.time()
+        bucket.pending[self.upload_id] = self
+
+    async def put_part(self, index: int, data: Buffer) -> PartInfo:
+        if self.upload_id not in self._bucket.pending:
+            raise StoreError(f"multipart upload of {self.key!r} is no longer active")
+        self._parts[index] = bytes(data)
+        return PartInfo(index, len(data))
+
+    async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
+        if self._bucket.pending.pop(self.upload_id, None) is None:
+            raise StoreError(f"multipart upload of {self.key!r} is no longer active")
+        indexes = [p.index for p in parts]
+        if indexes != list(range(len(parts))) or any(i not in self._parts for i in indexes):
+            raise StoreError(f"multipart upload of {self.key!r}: parts {indexes} are not 0..n-1 as uploaded")
+        data = b"".join(self._parts[i] for i in indexes)
+        self._bucket.objects[self.key] = _Object(data, dict(metadata or self._metadata), time.time())
+
+    async def abort(self) -> None:
+        self._bucket.pending.pop(self.upload_id, None)
+        self._parts.clear()
+
+
+class MemoryStore(Store):
+    """Objects in a process-global dict keyed by bucket name."""
+
+    name = "memory"
+
+    def __init__(self, bucket: str = "default") -> None:
+        self.bucket = bucket
+        self._b = _BUCKETS.setdefault(bucket, _Bucket())
+
+    def _get(self, key: str) -> _Object:
+        try:
+            return self._b.objects[key]
+        except KeyError:
+            raise ObjectNotFoundError(f"memory://{self.bucket}/{key} does not exist") from None
+
+    async def head(self, key: str) -> ObjectMeta:
+        obj = self._get(key)
+        return ObjectMeta(key, len(obj.data), obj.mtime, None, dict(obj.metadata))
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        await asyncio.sleep(0)
+        return self._get(key).data[start : start + length]
+
+    async def put(
+        self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None
+    ) -> None:
+        if if_absent and key in self._b.objects:
+            raise AlreadyExistsError(f"memory://{self.bucket}/{key} already exists")
+        self._b.objects[key] = _Object(bytes(data), dict(metadata or {}), time.time())
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectMeta]:
+        for key in sorted(self._b.objects):
+            if in_prefix(key, prefix):
+                obj = self._b.objects.get(key)
+                if obj is not None:
+                    yield ObjectMeta(key, len(obj.data), obj.mtime, None, dict(obj.metadata))
+
+    async def delete(self, key: str) -> None:
+        self._b.objects.pop(key, None)
+
+    async def create_multipart(
+        self, key: str, part_size: int, metadata: dict[str, str] | None = None
+    ) -> MultipartUpload:
+        return MemoryUpload(self._b, key, part_size, dict(metadata or {}))
+
+    async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
+        return [PendingUpload(u.key, u.upload_id, u.started) for u in self._b.pending.values()
+                if in_prefix(u.key, prefix)]
+
+    async def abort_pending_upload(self, upload: PendingUpload) -> None:
+        pending = self._b.pending.get(upload.upload_id)
+        if pending is not None:
+            await pending.abort()
+
+
+def from_uri(uri: StorageURI, config: TransferConfig) -> MemoryStore:
+    """In-memory bucket named by the URI's host (``memory://bucket/prefix``)."""
+    return MemoryStore(uri.bucket or "default")

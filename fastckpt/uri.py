@@ -1,0 +1,126 @@
+"""Parse storage URIs into a backend name, a bucket (or container) and a key prefix."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+BACKEND_OF_SCHEME = {
+    "s3": "s3",
+    "s3a": "s3",
+    "gs": "gcs",
+    "gcs": "gcs",
+    "abfss": "azure",
+    "abfs": "azure",
+    "az": "azure",
+    "azure": "azure",
+    "file": "local",
+    "local": "local",
+    "memory": "memory",
+    "mem": "memory",
+}
+
+KNOWN_OPTIONS = {
+    "s3": {"endpoint_override", "region", "scheme", "profile", "anonymous", "addressing_style"},
+    "gcs": {"endpoint_override", "project", "anonymous"},
+    "azure": {"account", "endpoint_override", "anonymous"},
+    "local": set(),
+    "memory": set(),
+}
+
+_BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+_AZURE_HOST_RE = re.compile(r"^(?P<account>[a-z0-9]+)\.(?:dfs|blob)\.core\.windows\.net$")
+
+
+@dataclass(frozen=True)
+class StorageURI:
+    """A parsed storage location.
+
+    ``backend`` is one of s3, gcs, azure, local, memory or ``delegate`` (a scheme fastckpt does not
+    implement, handed to pyarrow). ``key`` is the key prefix inside the bucket, without leading or
+    trailing slashes; for ``local`` it is the absolute path and ``bucket`` is empty.
+    """
+
+    raw: str
+    scheme: str
+    backend: str
+    bucket: str
+    key: str
+    options: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    def join(self, *parts: str) -> str:
+        """Key of ``parts`` below this URI's prefix."""
+        return join_key(self.key, *parts)
+
+    def with_key(self, key: str) -> StorageURI:
+        """The same location with another key prefix."""
+        return StorageURI(self.raw, self.scheme, self.backend, self.bucket, key.strip("/"), self.options)
+
+    def __str__(self) -> str:
+        if self.backend == "local":
+            return "/" + self.key
+        return f"{self.scheme}://{self.bucket}/{self.key}".rstrip("/")
+
+
+def join_key(*parts: str) -> str:
+    """Join key parts with '/', dropping empty parts and duplicate slashes."""
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+def parse_uri(uri: str | os.PathLike[str]) -> StorageURI:
+    """Parse ``uri``; raise ``ValueError`` naming the URI and the problem when it is malformed."""
+    text = os.fspath(uri)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"invalid storage URI {text!r}: empty")
+    if "://" not in text:
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", text) and not re.match(r"^[A-Za-z]:[\\/]", text):
+            raise ValueError(f"invalid storage URI {text!r}: expected scheme://..., e.g. s3://bucket/prefix")
+        path = os.path.abspath(os.path.expanduser(text))
+        return StorageURI(text, "file", "local", "", path.strip("/"))
+    parts = urlsplit(text)
+    scheme = parts.scheme.lower()
+    backend = BACKEND_OF_SCHEME.get(scheme)
+    options = dict(parse_qsl(parts.query, keep_blank_values=True))
+    if backend is None:
+        return StorageURI(text, scheme, "delegate", parts.netloc, unquote(parts.path).strip("/"), options)
+    unknown = set(options) - KNOWN_OPTIONS[backend]
+    if unknown:
+        raise ValueError(
+            f"invalid storage URI {text!r}: unknown option(s) {sorted(unknown)}; "
+            f"{backend} takes {sorted(KNOWN_OPTIONS[backend])}"
+        )
+    path = unquote(parts.path)
+    if backend == "local":
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"invalid storage URI {text!r}: file:// URIs take no host, use file:///abs/path")
+        return StorageURI(text, scheme, backend, "", os.path.abspath(path or "/").strip("/"), options)
+    if backend == "memory":
+        return StorageURI(text, scheme, backend, parts.netloc, path.strip("/"), options)
+    if backend == "azure":
+        return _parse_azure(text, scheme, parts.netloc, path, options)
+    bucket = parts.netloc
+    if not bucket:
+        raise ValueError(f"invalid storage URI {text!r}: missing bucket name ({scheme}://BUCKET/prefix)")
+    if not _BUCKET_RE.match(bucket):
+        raise ValueError(f"invalid storage URI {text!r}: {bucket!r} is not a valid bucket name")
+    return StorageURI(text, scheme, backend, bucket, path.strip("/"), options)
+
+
+def _parse_azure(text: str, scheme: str, netloc: str, path: str, options: dict[str, str]) -> StorageURI:
+    """``abfss://container@account.dfs.core.windows.net/p`` or ``az://container/p``."""
+    if "@" in netloc:
+        container, host = netloc.split("@", 1)
+        match = _AZURE_HOST_RE.match(host.lower())
+        if match:
+            options = {**options, "account": options.get("account", match["account"])}
+        elif host:
+            options = {**options, "account": options.get("account", host.split(".")[0])}
+    else:
+        container = netloc
+    if not container:
+        raise ValueError(f"invalid storage URI {text!r}: missing container name")
+    if not re.match(r"^[a-z0-9](?:[a-z0-9-]{1,61}[a-z0-9])?$|^\$root$", container):
+        raise ValueError(f"invalid storage URI {text!r}: {container!r} is not a valid Azure container name")
+    return StorageURI(text, scheme, "azure", container, path.strip("/"), options)

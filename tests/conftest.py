@@ -1,0 +1,57 @@
+"""Shared fixtures. Each module in tests/servers/ starts one real server and provides a backend.
+
+A server module sets ``BACKEND = "<name>"`` and defines a fixture ``<name>_uri`` returning the base URI
+of a fresh, empty prefix on that server (creating the bucket / container as needed). The conformance
+suite runs once per backend: memory, local, and every server module found.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import uuid
+
+import pytest
+
+from fastckpt import TransferConfig, open_store, parse_uri
+
+from . import servers
+
+SERVER_MODULES = [f"tests.servers.{m.name}" for m in pkgutil.iter_modules(servers.__path__)]
+pytest_plugins = SERVER_MODULES
+BACKENDS = ["memory", "local"] + [importlib.import_module(m).BACKEND for m in SERVER_MODULES]
+
+
+def small_config(**overrides: object) -> TransferConfig:
+    """Small parts so multipart paths run on small files (backends raise it to their minimum)."""
+    base = {"part_size": 256 << 10, "multipart_threshold": 256 << 10, "max_in_flight": 4,
+            "retries": 3, "backoff_base": 0.01, "backoff_max": 0.05}
+    base.update(overrides)
+    return TransferConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Name of the backend under test."""
+    return request.param
+
+
+@pytest.fixture
+def store_uri(backend: str, tmp_path, request: pytest.FixtureRequest) -> str:  # noqa: ANN001
+    """Base URI of a fresh prefix on ``backend``."""
+    if backend == "memory":
+        return f"memory://conf-{uuid.uuid4().hex[:8]}/base"
+    if backend == "local":
+        return f"file://{tmp_path}/store"
+    return request.getfixturevalue(f"{backend}_uri")
+
+
+@pytest.fixture
+async def store(store_uri: str):  # noqa: ANN201
+    """(store, base key) for ``store_uri``; closed after the test."""
+    uri = parse_uri(store_uri)
+    s = open_store(uri, small_config())
+    try:
+        yield s, uri
+    finally:
+        await s.close()
