@@ -1,0 +1,203 @@
+"""Conformance suite: every backend must pass all of it (store protocol + engine round-trips)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from fastckpt import AlreadyExistsError, ObjectNotFoundError
+from fastckpt.engine.plan import plan_upload
+from fastckpt.engine.transfer import Transfer
+from fastckpt.integrity import FileDigest
+
+from .conftest import small_config
+
+
+def part_size_of(store) -> int:  # noqa: ANN001
+    """The part size the engine uses on this store with the test config."""
+    return plan_upload(1, small_config(), store).part_size
+
+
+async def roundtrip(store, uri, tmp_path, name: str, size: int) -> bytes:  # noqa: ANN001
+    data = os.urandom(size)
+    src = tmp_path / "src" / name.replace("/", "_")
+    src.parent.mkdir(exist_ok=True)
+    src.write_bytes(data)
+    transfer = Transfer(store, small_config())
+    up = await transfer.upload_file(str(src), uri.join(name))
+    out = tmp_path / "out" / name.replace("/", "_")
+    down = await transfer.download_file(uri.join(name), str(out))
+    transfer.close()
+    assert out.read_bytes() == data
+    assert up.digest == down.digest
+    meta = await store.head(uri.join(name))
+    assert meta.size == size
+    assert FileDigest.from_metadata(size, meta.metadata) == up.digest
+    return data
+
+
+@pytest.mark.parametrize("shape", ["empty", "one_byte", "one_part", "part_plus_one", "multi_part"])
+async def test_roundtrip_sizes(store, tmp_path, shape: str) -> None:  # noqa: ANN001
+    s, uri = store
+    part = part_size_of(s)
+    size = {"empty": 0, "one_byte": 1, "one_part": part, "part_plus_one": part + 1,
+            "multi_part": 3 * part + 12345}[shape]
+    await roundtrip(s, uri, tmp_path, f"f-{shape}.bin", size)
+
+
+async def test_directory_roundtrip_nested_unicode(store, tmp_path) -> None:  # noqa: ANN001
+    import fastckpt
+
+    s, uri = store
+    src = tmp_path / "ckpt"
+    files = {"model-00001-of-00002.safetensors": 3000, "optim/rank_03.pt": 70000,
+             "deep/a/b/c/état-😀.json": 10, "space name.txt": 5}
+    for rel, size in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(os.urandom(size))
+    dst = uri.raw.split("?")[0].rstrip("/") + "/ckpt"
+    query = "?" + uri.raw.split("?", 1)[1] if "?" in uri.raw else ""
+    results = await fastckpt.upload_async(src, dst + query, config=small_config())
+    assert sorted(r.key for r in results) == sorted(uri.join("ckpt", rel) for rel in files)
+    listed = sorted([m.key async for m in s.list(uri.join("ckpt"))])
+    assert listed == sorted(uri.join("ckpt", rel) for rel in files)
+    out = tmp_path / "restored"
+    await fastckpt.download_async(dst + query, out, config=small_config())
+    for rel in files:
+        assert (out / rel).read_bytes() == (src / rel).read_bytes()
+
+
+async def test_list_and_list_dir(store) -> None:  # noqa: ANN001
+    s, uri = store
+    for key in ["a/1", "a/2", "a/sub/3", "ab/4", "b"]:
+        await s.put(uri.join(key), key.encode())
+    keys = sorted([m.key async for m in s.list(uri.join("a"))])
+    assert keys == [uri.join("a/1"), uri.join("a/2"), uri.join("a/sub/3")]  # not "ab/4"
+    objects, dirs = await s.list_dir(uri.join("a"))
+    assert sorted(o.key for o in objects) == [uri.join("a/1"), uri.join("a/2")]
+    assert dirs == [uri.join("a/sub")]
+    assert [m.size async for m in s.list(uri.join("b"))] == [1]
+    assert [m async for m in s.list(uri.join("nothing-here"))] == []
+
+
+async def test_delete(store) -> None:  # noqa: ANN001
+    s, uri = store
+    await s.put(uri.join("x"), b"123")
+    await s.delete(uri.join("x"))
+    with pytest.raises(ObjectNotFoundError):
+        await s.head(uri.join("x"))
+    await s.delete(uri.join("x"))  # absent: no error
+    await s.put(uri.join("m/1"), b"1")
+    await s.put(uri.join("m/2"), b"2")
+    await s.delete_many([uri.join("m/1"), uri.join("m/2")])
+    assert [m async for m in s.list(uri.join("m"))] == []
+
+
+async def test_head_and_get_missing(store) -> None:  # noqa: ANN001
+    s, uri = store
+    with pytest.raises(ObjectNotFoundError):
+        await s.head(uri.join("missing"))
+    with pytest.raises(ObjectNotFoundError):
+        await s.get_range(uri.join("missing"), 0, 10)
+
+
+async def test_create_if_absent(store) -> None:  # noqa: ANN001
+    s, uri = store
+    await s.put(uri.join("marker"), b"first", if_absent=True)
+    with pytest.raises(AlreadyExistsError):
+        await s.put(uri.join("marker"), b"second", if_absent=True)
+    assert await s.get_range(uri.join("marker"), 0, 100) == b"first"
+
+
+async def test_create_if_absent_race(store) -> None:  # noqa: ANN001
+    s, uri = store
+    results = await asyncio.gather(*(s.put(uri.join("race"), str(i).encode(), if_absent=True)
+                                     for i in range(8)), return_exceptions=True)
+    winners = [i for i, r in enumerate(results) if r is None]
+    assert len(winners) == 1, results
+    assert all(isinstance(r, AlreadyExistsError) for r in results if r is not None)
+    assert await s.get_range(uri.join("race"), 0, 10) == str(winners[0]).encode()
+
+
+async def test_concurrent_uploads_to_different_keys(store, tmp_path) -> None:  # noqa: ANN001
+    s, uri = store
+    part = part_size_of(s)
+    datas = {}
+    for i in range(6):
+        p = tmp_path / f"c{i}"
+        datas[i] = os.urandom(part + 100 * i + 1)
+        p.write_bytes(datas[i])
+    transfer = Transfer(s, small_config())
+    await transfer.upload_files([(str(tmp_path / f"c{i}"), uri.join(f"c/{i}")) for i in range(6)])
+    for i in range(6):
+        meta = await s.head(uri.join(f"c/{i}"))
+        assert meta.size == len(datas[i])
+        assert await s.get_range(uri.join(f"c/{i}"), 0, meta.size) == datas[i]
+    transfer.close()
+
+
+async def test_aborted_multipart_leaves_nothing(store) -> None:  # noqa: ANN001
+    s, uri = store
+    part = part_size_of(s)
+    mpu = await s.create_multipart(uri.join("aborted"), part)
+    await mpu.put_part(0, os.urandom(part))
+    await mpu.put_part(1, b"tail")
+    await mpu.abort()
+    with pytest.raises(ObjectNotFoundError):
+        await s.head(uri.join("aborted"))
+    assert [m async for m in s.list(uri.join("aborted"))] == []
+    assert [u for u in await s.list_pending_uploads(uri.key) if u.key == uri.join("aborted")] == []
+
+
+async def test_multipart_parts_out_of_order(store) -> None:  # noqa: ANN001
+    s, uri = store
+    part = part_size_of(s)
+    chunks = [os.urandom(part), os.urandom(part), os.urandom(17)]
+    mpu = await s.create_multipart(uri.join("ooo"), part, {"k": "v"})
+    infos = await asyncio.gather(*(mpu.put_part(i, chunks[i]) for i in (2, 0, 1)))
+    await mpu.complete(sorted(infos, key=lambda p: p.index), {"k": "v"})
+    meta = await s.head(uri.join("ooo"))
+    assert meta.size == 2 * part + 17
+    assert meta.metadata.get("k") == "v"
+    assert await s.get_range(uri.join("ooo"), 0, meta.size) == b"".join(chunks)
+
+
+async def test_pending_upload_listed_and_aborted(store) -> None:  # noqa: ANN001
+    s, uri = store
+    part = part_size_of(s)
+    mpu = await s.create_multipart(uri.join("pending/obj"), part)
+    await mpu.put_part(0, os.urandom(part))
+    pending = [u for u in await s.list_pending_uploads(uri.key) if u.key == uri.join("pending/obj")]
+    assert len(pending) == 1
+    await s.abort_pending_upload(pending[0])
+    assert [u for u in await s.list_pending_uploads(uri.key) if u.key == uri.join("pending/obj")] == []
+
+
+async def test_ranged_reads(store) -> None:  # noqa: ANN001
+    s, uri = store
+    data = os.urandom(10_000)
+    await s.put(uri.join("r"), data)
+    assert await s.get_range(uri.join("r"), 0, 10) == data[:10]
+    assert await s.get_range(uri.join("r"), 9_990, 10) == data[9_990:]
+    assert await s.get_range(uri.join("r"), 5_000, 1) == data[5_000:5_001]
+    assert await s.get_range(uri.join("r"), 9_995, 100) == data[9_995:]  # past the end: truncated
+    buf = bytearray(300)
+    assert await s.read_into(uri.join("r"), 100, memoryview(buf)) == 300
+    assert bytes(buf) == data[100:400]
+
+
+async def test_metadata_roundtrip(store) -> None:  # noqa: ANN001
+    s, uri = store
+    await s.put(uri.join("meta"), b"abc", metadata={"fastckpt-xxh3": "00ff", "fastckpt-chunk": "42"})
+    meta = await s.head(uri.join("meta"))
+    assert meta.metadata.get("fastckpt-xxh3") == "00ff"
+    assert meta.metadata.get("fastckpt-chunk") == "42"
+
+
+async def test_overwrite_replaces(store) -> None:  # noqa: ANN001
+    s, uri = store
+    await s.put(uri.join("o"), b"old-old")
+    await s.put(uri.join("o"), b"new")
+    assert await s.get_range(uri.join("o"), 0, 100) == b"new"
