@@ -204,6 +204,32 @@ class Transfer:
         self.progress.advance(length)
         return digests
 
+    async def verify_object(self, key: str, expected: FileDigest | None = None) -> FileDigest:
+        """Re-read ``key`` and check it against ``expected`` (or its digest metadata); IntegrityError if off."""
+        meta = await self._retry(lambda: self.store.head(key), f"verify of {key}")
+        expected = expected or FileDigest.from_metadata(meta.size, meta.metadata)
+        if expected is None:
+            raise IntegrityError(f"{key}: no recorded digest to verify against")
+        if expected.size != meta.size:
+            raise IntegrityError(f"{key}: size is {meta.size}, its record says {expected.size}")
+        plan = plan_download(meta.size, expected.chunk_size, self.config)
+        self.progress.expect(meta.size)
+
+        async def part(index: int) -> list[bytes]:
+            offset, length = plan.part(index)
+            async with self.pool.buffer(length) as buf:
+                n = await self._retry(lambda: self.store.read_into(key, offset, buf), f"verify of {key}")
+                if n != length:
+                    raise IntegrityError(f"{key}: object is shorter than recorded ({offset + n} < {meta.size})")
+                digests = await off_loop(hash_chunks, buf, expected.chunk_size)
+            self.progress.advance(length)
+            return digests
+
+        async with self._files:
+            parts = await gather_all(part(i) for i in range(plan.count))
+        expected.check([d for p in parts for d in p], key)
+        return expected
+
     # ----------------------------------------------------------------------------- listings
 
     async def keys_below(self, prefix: str) -> list[tuple[str, str]]:

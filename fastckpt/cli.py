@@ -1,0 +1,182 @@
+"""The ``fastckpt`` command: cp, ls, verify, gc, demo, doctor, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from . import __version__
+from ._loop import run_sync
+from .api import download, upload
+from .config import TransferConfig, parse_size
+from .engine.progress import ProgressCallback
+from .engine.transfer import Transfer
+from .errors import FastckptError
+from .stores import open_store
+from .uri import parse_uri
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _config(args: argparse.Namespace) -> TransferConfig:
+    return TransferConfig.from_env(part_size=args.part_size, max_in_flight=args.concurrency)
+
+
+def _progress_factory(args: argparse.Namespace) -> Callable[[str], ProgressCallback | None]:
+    """A tqdm bar per phase on a terminal (or when forced), nothing otherwise."""
+
+    def make(label: str) -> ProgressCallback | None:
+        if args.json or args.quiet or not (sys.stderr.isatty() or args.progress):
+            return None
+        from tqdm import tqdm
+
+        bar = tqdm(desc=label, unit="B", unit_scale=True, unit_divisor=1024, total=0, file=sys.stderr,
+                   leave=True, mininterval=0.2)
+
+        def update(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+            if done >= total > 0:
+                bar.refresh()
+
+        return update
+
+    return make
+
+
+def cmd_cp(args: argparse.Namespace) -> dict[str, object]:
+    config, progress = _config(args), _progress_factory(args)("cp")
+    if _is_remote(args.src) and _is_remote(args.dst):
+        raise ValueError("copying between two remote stores is not supported; download then upload")
+    if _is_remote(args.src):
+        results = download(args.src, args.dst, config=config, progress=progress)
+    else:
+        src = args.src[len("file://"):] if args.src.startswith("file://") else args.src
+        results = upload(src, args.dst, config=config, progress=progress)
+    total = sum(r.digest.size for r in results)
+    return {"files": len(results), "bytes": total,
+            "results": [{"key": r.key, "path": r.path, "size": r.digest.size, "xxh3": r.digest.digest}
+                        for r in results]}
+
+
+def cmd_ls(args: argparse.Namespace) -> dict[str, object]:
+    uri = parse_uri(args.uri)
+
+    async def go() -> list[dict[str, object]]:
+        async with open_store(uri) as store:
+            return [{"key": m.key, "size": m.size, "mtime": m.mtime} async for m in store.list(uri.key)]
+
+    return {"objects": run_sync(go())}
+
+
+def cmd_verify(args: argparse.Namespace) -> dict[str, object]:
+    uri = parse_uri(args.uri)
+
+    async def go() -> list[dict[str, object]]:
+        async with open_store(uri) as store:
+            transfer = Transfer(store, _config(args))
+            keys = [m.key async for m in store.list(uri.key)]
+            out = []
+            for key in keys:
+                try:
+                    digest = await transfer.verify_object(key)
+                    out.append({"key": key, "ok": True, "xxh3": digest.digest})
+                except FastckptError as exc:
+                    out.append({"key": key, "ok": False, "error": str(exc)})
+            transfer.close()
+            return out
+
+    results = run_sync(go())
+    return {"ok": all(r["ok"] for r in results) and bool(results), "objects": results}
+
+
+def cmd_demo(args: argparse.Namespace) -> dict[str, object]:
+    from .demo import run_demo
+
+    result = run_demo(parse_size(args.size), args.dir, _config(args), _progress_factory(args))
+    return result.summary()
+
+
+def cmd_doctor(args: argparse.Namespace) -> dict[str, object]:
+    from . import integrity
+    from ._loop import uvloop
+
+    return {"version": __version__, "python": sys.version.split()[0], "native_accelerator": integrity.NATIVE,
+            "uvloop": uvloop is not None, "config": TransferConfig.from_env().__dict__}
+
+
+def _print_human(name: str, out: dict[str, object]) -> None:
+    if name == "ls":
+        for o in out["objects"]:  # type: ignore[union-attr]
+            print(f"{o['size']:>14}  {o['key']}")
+    elif name == "verify":
+        for o in out["objects"]:  # type: ignore[union-attr]
+            print(("OK    " if o["ok"] else "FAIL  ") + o["key"] + ("" if o["ok"] else f"  {o['error']}"))
+        print("verified" if out["ok"] else "verification FAILED")
+    elif name == "demo":
+        print(f"demo: {out['files']} files, {out['bytes'] / (1 << 30):.2f} GiB via {out['store']}")
+        print(f"  upload   {out['upload_s']:.2f} s  {out['upload_mib_s']:.0f} MiB/s")
+        print(f"  download {out['download_s']:.2f} s  {out['download_mib_s']:.0f} MiB/s")
+        print(f"  digests verified: {out['verified']}")
+    elif name == "cp":
+        print(f"copied {out['files']} file(s), {out['bytes']} bytes")
+    else:
+        for k, v in out.items():
+            print(f"{k}: {v}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for tests and docs)."""
+    p = argparse.ArgumentParser(prog="fastckpt", description="Fast, verified checkpoint transfers.")
+    p.add_argument("--version", action="version", version=f"fastckpt {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    common.add_argument("--progress", action="store_true", help="show a progress bar even when not on a terminal")
+    common.add_argument("--part-size", type=parse_size, default=None, help="part size, e.g. 32MiB")
+    common.add_argument("--concurrency", type=int, default=None, help="parts in flight")
+    sub = p.add_subparsers(dest="command", required=True)
+    cp = sub.add_parser("cp", parents=[common], help="copy a file or directory to or from a store")
+    cp.add_argument("src")
+    cp.add_argument("dst")
+    ls = sub.add_parser("ls", parents=[common], help="list objects below a URI")
+    ls.add_argument("uri")
+    ver = sub.add_parser("verify", parents=[common], help="re-hash objects against their recorded digests")
+    ver.add_argument("uri")
+    demo = sub.add_parser("demo", parents=[common], help="upload + download a synthetic checkpoint locally")
+    demo.add_argument("--size", default="1GiB", help="checkpoint size (default 1GiB)")
+    demo.add_argument("--dir", default=None, help="scratch directory (default: system temp)")
+    sub.add_parser("doctor", parents=[common], help="show versions, accelerator and configuration")
+    return p
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, object]]] = {
+    "cp": cmd_cp, "ls": cmd_ls, "verify": cmd_verify, "demo": cmd_demo, "doctor": cmd_doctor,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 ok, 1 failure)."""
+    args = build_parser().parse_args(argv)
+    try:
+        out = COMMANDS[args.command](args)
+    except (FastckptError, OSError, ValueError, ImportError) as exc:
+        print(f"fastckpt {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        _print_human(args.command, out)
+    ok = out.get("ok", True) if args.command == "verify" else out.get("verified", True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

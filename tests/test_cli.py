@@ -1,0 +1,57 @@
+"""The fastckpt command, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+CLI = [sys.executable, "-m", "fastckpt.cli"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cp_ls_verify_roundtrip(tmp_path) -> None:  # noqa: ANN001
+    src = tmp_path / "ckpt"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.bin").write_bytes(os.urandom(3000))
+    (src / "sub" / "b.bin").write_bytes(os.urandom(5))
+    store = f"file://{tmp_path}/store/ckpt"
+    up = run("cp", str(src), store, "--json")
+    assert up.returncode == 0, up.stderr
+    assert json.loads(up.stdout)["files"] == 2
+    ls = run("ls", store, "--json")
+    assert sorted(o["size"] for o in json.loads(ls.stdout)["objects"]) == [5, 3000]
+    ver = run("verify", store)
+    assert ver.returncode == 0 and "verified" in ver.stdout
+    down = run("cp", store, str(tmp_path / "back"))
+    assert down.returncode == 0, down.stderr
+    assert (tmp_path / "back" / "sub" / "b.bin").read_bytes() == (src / "sub" / "b.bin").read_bytes()
+    target = tmp_path / "store" / "ckpt" / "a.bin"
+    data = bytearray(target.read_bytes())
+    data[0] ^= 0xFF
+    with open(target, "r+b") as f:  # flip a byte in place: the xattr digest stays
+        f.write(bytes(data[:1]))
+    bad = run("verify", store)
+    assert bad.returncode == 1 and "FAIL" in bad.stdout and "a.bin" in bad.stdout
+
+
+def test_errors_are_one_line(tmp_path) -> None:  # noqa: ANN001
+    res = run("cp", str(tmp_path / "missing"), f"file://{tmp_path}/x")
+    assert res.returncode == 1
+    assert res.stderr.strip().count("\n") == 0 and "does not exist" in res.stderr
+    res = run("ls", "s3:/nope")
+    assert res.returncode == 1 and "invalid storage URI" in res.stderr
+
+
+def test_demo_and_doctor(tmp_path) -> None:  # noqa: ANN001
+    res = run("demo", "--size", "8MiB", "--dir", str(tmp_path), "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["verified"] is True and out["files"] == 7
+    assert os.listdir(tmp_path) == []  # scratch space cleaned up
+    doc = json.loads(run("doctor", "--json").stdout)
+    assert "native_accelerator" in doc and doc["version"]

@@ -1,0 +1,148 @@
+"""Engine behaviour under faults, corruption and bad input, on the memory and local stores."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import fastckpt
+from fastckpt import IntegrityError, ObjectNotFoundError, StoreError, TransientStoreError
+from fastckpt.engine.pool import BufferPool
+from fastckpt.engine.transfer import Transfer
+from fastckpt.stores.faults import FaultInjectingStore
+from fastckpt.stores.local import LocalStore
+from fastckpt.stores.memory import MemoryStore
+
+from .conftest import small_config
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def data_file(tmp_path):  # noqa: ANN001, ANN201
+    path = tmp_path / "big.bin"
+    path.write_bytes(os.urandom(3 * MiB + 777))
+    return path
+
+
+def leftovers(root) -> list[str]:  # noqa: ANN001
+    return [n for _, _, files in os.walk(root) for n in files if n.endswith(".fastckpt-part")]
+
+
+@pytest.mark.parametrize("inner", ["memory", "local"])
+async def test_transient_errors_are_retried(inner: str, data_file, tmp_path) -> None:  # noqa: ANN001
+    base = MemoryStore("retry") if inner == "memory" else LocalStore(str(tmp_path / "store"))
+    store = FaultInjectingStore(base, error_rate=0.10, seed=7)
+    transfer = Transfer(store, small_config(retries=8))
+    up = await transfer.upload_file(str(data_file), "ckpt/big.bin")
+    down = await transfer.download_file("ckpt/big.bin", str(tmp_path / "back.bin"))
+    assert store.injected > 0, "the fault injector never fired; the test proves nothing"
+    assert (tmp_path / "back.bin").read_bytes() == data_file.read_bytes()
+    assert up.digest == down.digest
+
+
+async def test_permanent_error_aborts_and_leaves_nothing(data_file, tmp_path) -> None:  # noqa: ANN001
+    root = tmp_path / "store"
+    base = LocalStore(str(root))
+    store = FaultInjectingStore(base, fail_after=3, ops={"put_part", "complete"})
+    transfer = Transfer(store, small_config())
+    with pytest.raises(StoreError, match="injected permanent failure"):
+        await transfer.upload_file(str(data_file), "ckpt/big.bin")
+    with pytest.raises(ObjectNotFoundError):
+        await base.head("ckpt/big.bin")
+    assert leftovers(root) == []
+    assert await base.list_pending_uploads("") == []
+
+
+async def test_retries_exhausted_names_the_file(data_file) -> None:  # noqa: ANN001
+    store = FaultInjectingStore(MemoryStore("exhaust"), error_rate=1.0, ops={"put_part"})
+    transfer = Transfer(store, small_config(retries=2))
+    with pytest.raises(TransientStoreError, match=r"big\.bin.*failed after 3 attempts"):
+        await transfer.upload_file(str(data_file), "x/big.bin")
+    assert [m async for m in store.inner.list("x")] == []
+    assert await store.inner.list_pending_uploads("") == []
+
+
+@pytest.mark.parametrize("inner", ["memory", "local"])
+async def test_flipped_byte_raises_integrity_error(inner: str, data_file, tmp_path) -> None:  # noqa: ANN001
+    store = MemoryStore("flip") if inner == "memory" else LocalStore(str(tmp_path / "store"))
+    transfer = Transfer(store, small_config())
+    await transfer.upload_file(str(data_file), "ckpt/model.bin")
+    meta = await store.head("ckpt/model.bin")
+    data = bytearray(await store.get_range("ckpt/model.bin", 0, meta.size))
+    data[2 * MiB + 5] ^= 0x01
+    await store.put("ckpt/model.bin", bytes(data), metadata=meta.metadata)
+    out = tmp_path / "out" / "model.bin"
+    with pytest.raises(IntegrityError, match=r"ckpt/model\.bin"):
+        await transfer.download_file("ckpt/model.bin", str(out))
+    assert not out.exists()
+    assert leftovers(tmp_path / "out") == []
+    with pytest.raises(IntegrityError, match=r"ckpt/model\.bin"):
+        await transfer.verify_object("ckpt/model.bin")
+
+
+async def test_memory_stays_bounded_by_pool(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(20 * MiB))
+    config = small_config(part_size=MiB, multipart_threshold=MiB, max_in_flight=3)
+    transfer = Transfer(MemoryStore("bounded"), config)
+    await transfer.upload_file(str(path), "f")
+    await transfer.download_file("f", str(tmp_path / "g"))
+    assert transfer.pool.allocated <= 3  # 40 parts moved through at most 3 buffers
+
+
+async def test_pool_replaces_small_buffers() -> None:
+    pool = BufferPool(1024, 2)
+    async with pool.buffer(100) as a:
+        assert len(a) == 100
+    async with pool.buffer(4096) as b:
+        assert len(b) == 4096
+    assert pool.allocated == 1
+    pool.close()
+
+
+async def test_progress_reaches_total(data_file, tmp_path) -> None:  # noqa: ANN001
+    seen: list[tuple[int, int]] = []
+    transfer = Transfer(MemoryStore("progress"), small_config(), progress=lambda d, t: seen.append((d, t)))
+    await transfer.upload_file(str(data_file), "p")
+    assert seen[-1] == (data_file.stat().st_size, data_file.stat().st_size)
+    assert all(d1 <= d2 for (d1, _), (d2, _) in zip(seen, seen[1:], strict=False))
+
+
+def test_bad_input_errors(tmp_path) -> None:  # noqa: ANN001
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        fastckpt.upload(tmp_path / "does-not-exist", f"file://{tmp_path}/dst")
+    with pytest.raises(ValueError, match="invalid storage URI"):
+        fastckpt.upload(__file__, "s3://")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a").write_bytes(b"a")
+    (tmp_path / "src" / "b").write_bytes(b"b")
+    fastckpt.upload(tmp_path / "src", f"file://{tmp_path}/store/dir")
+    (tmp_path / "plain-file").write_bytes(b"x")
+    with pytest.raises(NotADirectoryError, match="plain-file.*is a file"):
+        fastckpt.download(f"file://{tmp_path}/store/dir", tmp_path / "plain-file")
+    with pytest.raises(ObjectNotFoundError, match="nothing found"):
+        fastckpt.download(f"file://{tmp_path}/store/none", tmp_path / "out")
+
+
+def test_sync_api_inside_running_loop(tmp_path) -> None:  # noqa: ANN001
+    import asyncio
+
+    (tmp_path / "f").write_bytes(b"hello")
+
+    async def caller() -> list[fastckpt.FileResult]:
+        return fastckpt.upload(tmp_path / "f", "memory://loop/f")  # sync call from a loop thread
+
+    results = asyncio.run(caller())
+    assert results[0].digest.size == 5
+
+
+def test_download_into_directory_and_file_target(tmp_path) -> None:  # noqa: ANN001
+    (tmp_path / "f.bin").write_bytes(b"payload")
+    fastckpt.upload(tmp_path / "f.bin", "memory://targets/dir/")
+    (tmp_path / "d").mkdir()
+    fastckpt.download("memory://targets/dir/f.bin", tmp_path / "d")
+    assert (tmp_path / "d" / "f.bin").read_bytes() == b"payload"
+    fastckpt.download("memory://targets/dir/f.bin", tmp_path / "renamed.bin")
+    assert (tmp_path / "renamed.bin").read_bytes() == b"payload"
