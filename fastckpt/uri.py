@@ -31,7 +31,8 @@ KNOWN_OPTIONS = {
 }
 
 _BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
-_AZURE_HOST_RE = re.compile(r"^(?P<account>[a-z0-9]+)\.(?:dfs|blob)\.core\.windows\.net$")
+_AZURE_HOST_RE = re.compile(
+    r"^(?P<account>[a-z0-9]+)\.(?:dfs|blob)\.(?P<suffix>core\.(?:windows\.net|chinacloudapi\.cn|usgovcloudapi\.net))$")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ def parse_uri(uri: str | os.PathLike[str]) -> StorageURI:
     parts = urlsplit(text)
     scheme = parts.scheme.lower()
     backend = BACKEND_OF_SCHEME.get(scheme)
+    if backend is None and scheme in ("http", "https") and _AZURE_HOST_RE.match((parts.hostname or "").lower()):
+        backend = "azure"
     options = dict(parse_qsl(parts.query, keep_blank_values=True))
     if backend is None:
         return StorageURI(text, scheme, "delegate", parts.netloc, unquote(parts.path).strip("/"), options)
@@ -109,16 +112,26 @@ def parse_uri(uri: str | os.PathLike[str]) -> StorageURI:
 
 
 def _parse_azure(text: str, scheme: str, netloc: str, path: str, options: dict[str, str]) -> StorageURI:
-    """``abfss://container@account.dfs.core.windows.net/p`` or ``az://container/p``."""
-    if "@" in netloc:
+    """``abfss://container@account.dfs.core.windows.net/p``, ``az://container/p`` or
+    ``https://account.blob.core.windows.net/container/p``.
+
+    The account named by the host lands in ``options["account"]`` (unless ``?account=`` is given), and a
+    sovereign-cloud host suffix (e.g. ``core.chinacloudapi.cn``) in ``options["endpoint_suffix"]``.
+    """
+    if scheme in ("http", "https"):
+        host = netloc
+        container, _, path = path.lstrip("/").partition("/")
+    elif "@" in netloc:
         container, host = netloc.split("@", 1)
-        match = _AZURE_HOST_RE.match(host.lower())
-        if match:
-            options = {**options, "account": options.get("account", match["account"])}
-        elif host:
-            options = {**options, "account": options.get("account", host.split(".")[0])}
     else:
-        container = netloc
+        container, host = netloc, ""
+    match = _AZURE_HOST_RE.match(host.lower())
+    if match:
+        options = {**options, "account": options.get("account", match["account"])}
+        if match["suffix"] != "core.windows.net":
+            options["endpoint_suffix"] = match["suffix"]
+    elif host:
+        options = {**options, "account": options.get("account", host.split(".")[0])}
     if not container:
         raise ValueError(f"invalid storage URI {text!r}: missing container name")
     if not re.match(r"^[a-z0-9](?:[a-z0-9-]{1,61}[a-z0-9])?$|^\$root$", container):

@@ -1,0 +1,478 @@
+"""Azure Blob Storage on ``azure-storage-blob``'s asyncio client.
+
+Large files are staged as blocks in parallel (``stage_block``) and made visible by one
+``commit_block_list`` that also sets the digest metadata; small files are one ``Put Blob``.
+Create-if-absent sends ``If-None-Match: *``. Every block and single upload carries a Content-MD5,
+computed off the event loop, that the service checks. Ranged reads land in the caller's buffer.
+
+Credentials, first match wins: ``?anonymous``; ``AZURE_STORAGE_CONNECTION_STRING``; an account key
+(``AZURE_STORAGE_ACCOUNT_KEY`` / ``AZURE_STORAGE_KEY``); a SAS (``AZURE_STORAGE_SAS_TOKEN``); the
+emulator's published key for ``devstoreaccount1`` behind an ``endpoint_override``; ``azure-identity``'s
+``DefaultAzureCredential`` when installed. The SDK's own retries are off: the engine retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import os
+import re
+import secrets
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from azure.core.credentials import AzureNamedKeyCredential
+from azure.core.exceptions import (
+    ClientAuthenticationError,
+    HttpResponseError,
+    ServiceRequestError,
+    ServiceResponseError,
+)
+from azure.core.pipeline.transport import AioHttpTransport
+from azure.storage.blob.aio import BlobClient, ContainerClient
+
+from ..config import TransferConfig
+from ..errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    ObjectNotFoundError,
+    StoreError,
+    TransientStoreError,
+)
+from ..uri import StorageURI
+from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+
+MiB = 1 << 20
+EMULATOR_ACCOUNT = "devstoreaccount1"
+# Azurite's and the storage emulator's published well-known key (public; used only for devstoreaccount1).
+EMULATOR_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+_MAX_PUT_BLOB = 5000 * MiB
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+_TRANSIENT_CODES = {"ServerBusy", "OperationTimedOut", "InternalError", "Md5Mismatch", "Crc64Mismatch"}
+
+
+class ContainerNotFoundError(ObjectNotFoundError):
+    """The container itself is missing (not just one blob)."""
+
+
+# ----------------------------------------------------------------------------- metadata names
+
+
+def encode_metadata_key(name: str) -> str:
+    """An Azure metadata name (a C# identifier) for ``name``, reversible with ``decode_metadata_key``.
+
+    Names of ASCII letters, digits and dashes that start with a letter map dashes to underscores
+    (``fastckpt-xxh3`` -> ``fastckpt_xxh3``). Any other name is escaped: a leading ``_``, then each
+    character other than an ASCII letter or digit as ``_xx`` per UTF-8 byte.
+    """
+    if re.fullmatch(r"[A-Za-z][A-Za-z0-9-]*", name):
+        return name.replace("-", "_")
+    return "_" + "".join(c if c.isascii() and c.isalnum() else "".join(f"_{b:02x}" for b in c.encode())
+                         for c in name)
+
+
+def decode_metadata_key(name: str) -> str:
+    """The original name of an Azure metadata name written by ``encode_metadata_key``."""
+    if not name.startswith("_"):
+        return name.replace("_", "-")
+    rest = name[1:]
+    if not re.fullmatch(r"(?:[A-Za-z0-9]|_[0-9a-fA-F]{2})*", rest):
+        return name  # not ours: keep it as the service returned it
+    return re.sub(r"(?:_[0-9a-fA-F]{2})+",
+                  lambda m: bytes.fromhex(m[0].replace("_", "")).decode("utf-8", "replace"), rest)
+
+
+def _encode_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    return {encode_metadata_key(k): v for k, v in (metadata or {}).items()}
+
+
+def _decode_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    return {decode_metadata_key(k): v for k, v in (metadata or {}).items()}
+
+
+# ----------------------------------------------------------------------------- endpoint and credentials
+
+
+@dataclass(frozen=True)
+class AzureEndpoint:
+    """Where and as whom to connect. ``credential`` is a key, a SAS string, None (anonymous) or
+    ``"default"`` (``DefaultAzureCredential``, created in the running loop)."""
+
+    account: str
+    url: str
+    credential: AzureNamedKeyCredential | str | None
+    source: str
+    """Where the credential came from, for error messages (never the secret itself)."""
+
+
+def parse_connection_string(text: str) -> dict[str, str]:
+    """``Key=Value;...`` pairs of an Azure connection string, keys lower-cased."""
+    pairs = (p.partition("=") for p in text.split(";") if p.strip())
+    return {k.strip().lower(): v.strip() for k, _, v in pairs}
+
+
+def resolve_endpoint(options: Mapping[str, str], env: Mapping[str, str] | None = None) -> AzureEndpoint:
+    """Account URL and credential from URI options and the ``AZURE_STORAGE_*`` environment variables."""
+    env = os.environ if env is None else env
+    conn = parse_connection_string(env.get("AZURE_STORAGE_CONNECTION_STRING", ""))
+    devstore = conn.get("usedevelopmentstorage", "").lower() == "true"
+    if devstore:
+        conn = {"accountname": EMULATOR_ACCOUNT, "accountkey": EMULATOR_KEY,
+                "blobendpoint": f"http://127.0.0.1:10000/{EMULATOR_ACCOUNT}"}
+    env_account = env.get("AZURE_STORAGE_ACCOUNT_NAME") or env.get("AZURE_STORAGE_ACCOUNT")
+    account = options.get("account") or conn.get("accountname") or env_account
+    if not account:
+        raise ValueError("no Azure storage account given: use abfss://CONTAINER@ACCOUNT.dfs.core.windows.net/..., "
+                         "https://ACCOUNT.blob.core.windows.net/CONTAINER/..., ?account=ACCOUNT, "
+                         "AZURE_STORAGE_ACCOUNT_NAME or AZURE_STORAGE_CONNECTION_STRING")
+    use_conn = bool(conn) and conn.get("accountname", account) == account
+    override = options.get("endpoint_override")
+    if override:
+        parts = urlsplit(override)
+        if not parts.scheme or not parts.netloc:
+            raise ValueError(f"endpoint_override {override!r} is not a URL like http://127.0.0.1:10000")
+        path_style = parts.path.strip("/") == "" and not (parts.hostname or "").startswith(account + ".")
+        url = override.rstrip("/") + (f"/{account}" if path_style else "")
+    elif use_conn and conn.get("blobendpoint"):
+        url = conn["blobendpoint"].rstrip("/")
+    else:
+        proto = conn.get("defaultendpointsprotocol", "https") if use_conn else "https"
+        suffix = options.get("endpoint_suffix") or (conn.get("endpointsuffix") if use_conn else None)
+        url = f"{proto}://{account}.blob.{suffix or 'core.windows.net'}"
+
+    env_key = env.get("AZURE_STORAGE_ACCOUNT_KEY") or env.get("AZURE_STORAGE_KEY")
+    sas = env.get("AZURE_STORAGE_SAS_TOKEN")
+    credential: AzureNamedKeyCredential | str | None
+    if options.get("anonymous", "false").lower() in ("", "1", "true", "yes"):
+        credential, source = None, "anonymous access"
+    elif use_conn and conn.get("accountkey"):
+        credential = AzureNamedKeyCredential(account, conn["accountkey"])
+        source = "UseDevelopmentStorage" if devstore else "the key in AZURE_STORAGE_CONNECTION_STRING"
+    elif use_conn and conn.get("sharedaccesssignature"):
+        credential, source = conn["sharedaccesssignature"].lstrip("?"), "the SAS in AZURE_STORAGE_CONNECTION_STRING"
+    elif env_key and env_account in (None, account):
+        credential, source = AzureNamedKeyCredential(account, env_key), "the account key from the environment"
+    elif sas:
+        credential, source = sas.lstrip("?"), "AZURE_STORAGE_SAS_TOKEN"
+    elif account == EMULATOR_ACCOUNT and override:
+        credential, source = AzureNamedKeyCredential(account, EMULATOR_KEY), "the emulator's well-known key"
+    else:
+        if importlib.util.find_spec("azure.identity") is None:
+            raise AccessDeniedError(
+                f"no credentials for Azure storage account {account!r}: set AZURE_STORAGE_CONNECTION_STRING, "
+                "AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, or install azure-identity")
+        credential, source = "default", "DefaultAzureCredential"
+    return AzureEndpoint(account, url, credential, source)
+
+
+# ----------------------------------------------------------------------------- the store
+
+
+class AzureStore(Store):
+    """Blobs of one container. The client is made on first use, in the loop that drives the store."""
+
+    name = "azure"
+    min_part_size = 1
+    max_part_size = 4000 * MiB
+    max_parts = 50_000
+    metadata_on_complete = True
+
+    def __init__(self, container: str, endpoint: AzureEndpoint, *, max_connections: int = 16,
+                 content_md5: bool = True, connection_timeout: float = 20, read_timeout: float = 60) -> None:
+        self.container = container
+        self.endpoint = endpoint
+        self.max_connections = max_connections
+        self.content_md5 = content_md5
+        self._timeouts = (connection_timeout, read_timeout)
+        self._client: ContainerClient | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._credential: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __repr__(self) -> str:
+        return f"AzureStore({self.endpoint.url}/{self.container})"
+
+    def url(self, key: str) -> str:
+        """Human-readable location of ``key`` (for messages)."""
+        return f"azure://{self.endpoint.account}/{self.container}/{key}"
+
+    def _container(self) -> ContainerClient:
+        loop = asyncio.get_running_loop()
+        if self._client is not None:
+            if loop is not self._loop:
+                raise StoreError(f"{self!r} is bound to another event loop; open one store per loop")
+            return self._client
+        credential = self.endpoint.credential
+        if credential == "default":
+            from azure.identity.aio import DefaultAzureCredential
+
+            credential = self._credential = DefaultAzureCredential()
+        connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=True)
+        transport = AioHttpTransport(session=self._session, session_owner=False,
+                                     connection_timeout=self._timeouts[0], read_timeout=self._timeouts[1])
+        self._client = ContainerClient(self.endpoint.url, self.container, credential=credential,
+                                       transport=transport, retry_total=0, max_single_put_size=_MAX_PUT_BLOB)
+        self._loop = loop
+        return self._client
+
+    def _blob(self, key: str) -> BlobClient:
+        return self._container().get_blob_client(key)
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._credential is not None:
+            await self._credential.close()
+            self._credential = None
+
+    def _error(self, exc: Exception, key: str | None, *, if_absent: bool = False) -> Exception:
+        """The fastckpt error for an SDK exception: one line, naming the account and container."""
+        where = self.url(key) if key is not None else f"container {self.container!r} of account " \
+                                                       f"{self.endpoint.account!r}"
+        if isinstance(exc, (ServiceRequestError, ServiceResponseError, asyncio.TimeoutError, aiohttp.ClientError)):
+            return TransientStoreError(f"{where}: connection to {self.endpoint.url} failed: {type(exc).__name__}")
+        if isinstance(exc, ClientAuthenticationError) and exc.response is None:
+            return AccessDeniedError(f"{where}: could not get a token from {self.endpoint.source}")
+        if not isinstance(exc, HttpResponseError):
+            return StoreError(f"{where}: {type(exc).__name__}: {_redact(str(exc))}")
+        status = exc.status_code or 0
+        code = getattr(exc, "error_code", None) or (exc.response.headers.get("x-ms-error-code", "")
+                                                    if exc.response is not None else "")
+        code = str(getattr(code, "value", code))
+        if code == "ContainerNotFound":
+            return ContainerNotFoundError(f"Azure container {self.container!r} does not exist in storage account "
+                                          f"{self.endpoint.account!r} ({self.endpoint.url})")
+        if status in (401, 403):
+            return AccessDeniedError(
+                f"access to {where} denied ({status} {code or 'Forbidden'}): check the credentials "
+                f"({self.endpoint.source}) and their permissions on storage account {self.endpoint.account!r}")
+        if status == 404:
+            return ObjectNotFoundError(f"{where} does not exist")
+        if if_absent and (status in (409, 412) or code in ("BlobAlreadyExists", "ConditionNotMet")):
+            return AlreadyExistsError(f"{where} already exists")
+        if status in _TRANSIENT_STATUS or code in _TRANSIENT_CODES:
+            return TransientStoreError(f"{where}: {status} {code}".rstrip())
+        return StoreError(f"{where}: {status} {code or exc.reason or ''}".rstrip())
+
+    async def _md5(self, data: Buffer) -> bytes | None:
+        if not self.content_md5 or not len(data):
+            return None
+        if len(data) < MiB:
+            return hashlib.md5(data).digest()
+        return await asyncio.to_thread(lambda: hashlib.md5(data).digest())
+
+    async def head(self, key: str) -> ObjectMeta:
+        try:
+            props = await self._blob(key).get_blob_properties()
+        except Exception as exc:
+            raise self._error(exc, key) from exc
+        return ObjectMeta(key, props.size, props.last_modified.timestamp(), props.etag,
+                          _decode_metadata(props.metadata))
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        buf = bytearray(max(0, length))
+        n = await self.read_into(key, start, memoryview(buf))
+        return bytes(buf[:n])
+
+    async def read_into(self, key: str, start: int, buf: memoryview) -> int:
+        """One ranged GET whose body is copied from the socket's chunks straight into ``buf``.
+
+        Goes through the SDK's generated ``Get Blob`` operation (same pipeline, auth and errors as the
+        public client) because ``download_blob`` joins and slices the body into new bytes first.
+        """
+        if not len(buf):
+            return 0
+        try:
+            response = await self._blob(key)._client.blob.download(
+                range=f"bytes={start}-{start + len(buf) - 1}", cls=lambda pipeline_response, *_: pipeline_response)
+        except HttpResponseError as exc:
+            if exc.status_code == 416:  # start at or past the end
+                return 0
+            raise self._error(exc, key) from exc
+        except Exception as exc:
+            raise self._error(exc, key) from exc
+        body = response.http_response.internal_response
+        pos = 0
+        try:
+            async for chunk, _ in body.content.iter_chunks():
+                end = pos + len(chunk)
+                if end > len(buf):
+                    raise StoreError(f"{self.url(key)}: server sent more than the {len(buf)} bytes requested")
+                buf[pos:end] = chunk
+                pos = end
+        except StoreError:
+            body.close()
+            raise
+        except Exception as exc:
+            body.close()
+            raise self._error(exc, key) from exc
+        return pos
+
+    async def put(
+        self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None
+    ) -> None:
+        md5 = await self._md5(data)
+        extra = {"transactional_content_md5": md5} if md5 else {}
+        try:
+            await self._blob(key).upload_blob(
+                data if isinstance(data, bytes) else bytes(data), length=len(data), overwrite=not if_absent,
+                metadata=_encode_metadata(metadata), max_concurrency=1, **extra)
+        except Exception as exc:
+            raise self._error(exc, key, if_absent=if_absent) from exc
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectMeta]:
+        prefix = prefix.strip("/")
+        if prefix:
+            try:
+                yield await self.head(prefix)
+            except ContainerNotFoundError:
+                raise
+            except ObjectNotFoundError:
+                pass
+        try:
+            async for item in self._container().list_blobs(name_starts_with=prefix + "/" if prefix else None,
+                                                           include=["metadata"]):
+                if in_prefix(item.name, prefix):
+                    yield ObjectMeta(item.name, item.size, item.last_modified.timestamp(), item.etag,
+                                     _decode_metadata(item.metadata))
+        except Exception as exc:
+            raise self._error(exc, None) from exc
+
+    async def list_dir(self, prefix: str = "") -> tuple[list[ObjectMeta], list[str]]:
+        base = prefix.strip("/")
+        objects: list[ObjectMeta] = []
+        dirs: list[str] = []
+        try:
+            async for item in self._container().walk_blobs(name_starts_with=base + "/" if base else None,
+                                                           include=["metadata"], delimiter="/"):
+                if item.name.endswith("/"):
+                    dirs.append(item.name.rstrip("/"))
+                else:
+                    objects.append(ObjectMeta(item.name, item.size, item.last_modified.timestamp(), item.etag,
+                                              _decode_metadata(item.metadata)))
+        except Exception as exc:
+            raise self._error(exc, None) from exc
+        return objects, dirs
+
+    async def delete(self, key: str) -> None:
+        try:
+            await self._blob(key).delete_blob()
+        except Exception as exc:
+            err = self._error(exc, key)
+            if type(err) is not ObjectNotFoundError:
+                raise err from exc
+
+    async def delete_many(self, keys: list[str]) -> None:
+        limit = asyncio.Semaphore(self.max_connections)
+
+        async def one(key: str) -> None:
+            async with limit:
+                await self.delete(key)
+
+        results = await asyncio.gather(*(one(k) for k in keys), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def create_multipart(
+        self, key: str, part_size: int, metadata: dict[str, str] | None = None
+    ) -> MultipartUpload:
+        return AzureUpload(self, key, dict(metadata or {}))
+
+    async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
+        """Blobs that have staged (uncommitted) blocks and no committed version.
+
+        Uncommitted blocks staged over an existing committed blob are not reported: Azure lists only
+        the committed blob then (they are discarded by its next commit, or after 7 days).
+        """
+        prefix = prefix.strip("/")
+        container = self._container()
+        try:
+            committed = {b.name async for b in container.list_blobs(name_starts_with=prefix or None)}
+            return [PendingUpload(b.name, f"uncommitted:{b.name}", b.last_modified.timestamp())
+                    async for b in container.list_blobs(name_starts_with=prefix or None,
+                                                        include=["uncommittedblobs"])
+                    if b.name not in committed and in_prefix(b.name, prefix)]
+        except Exception as exc:
+            raise self._error(exc, None) from exc
+
+    async def abort_pending_upload(self, upload: PendingUpload) -> None:
+        await self.discard_uncommitted(upload.key)
+
+    async def discard_uncommitted(self, key: str) -> None:
+        """Drop the staged blocks of ``key`` when it has no committed version (deleting that blob
+        is the only way to); blocks staged over a committed blob are left to expire."""
+        try:
+            await self.head(key)
+        except ContainerNotFoundError:
+            raise
+        except ObjectNotFoundError:
+            await self.delete(key)
+
+
+def _redact(text: str) -> str:
+    """First line of ``text`` with any SAS signature blanked."""
+    return re.sub(r"sig=[^&\s'\"]+", "sig=REDACTED", text.split("\n", 1)[0])
+
+
+class AzureUpload(MultipartUpload):
+    """Blocks staged with fixed-length ids (upload id + 6-digit index), committed in index order."""
+
+    def __init__(self, store: AzureStore, key: str, metadata: dict[str, str]) -> None:
+        self.key, self._store, self._metadata = key, store, metadata
+        self.upload_id = secrets.token_hex(9)
+        self._closed = False
+        self._discarded = False
+
+    def block_id(self, index: int) -> str:
+        """The block id of part ``index`` (24 characters; the SDK base64-encodes it)."""
+        if not 0 <= index < AzureStore.max_parts:
+            raise ValueError(f"part index {index} of {self.key!r} is outside 0..{AzureStore.max_parts - 1}")
+        return f"{self.upload_id}{index:06d}"
+
+    async def put_part(self, index: int, data: Buffer) -> PartInfo:
+        if self._closed:
+            raise StoreError(f"multipart upload of {self._store.url(self.key)} is no longer active")
+        block_id = self.block_id(index)
+        md5 = await self._store._md5(data)
+        extra = {"transactional_content_md5": md5} if md5 else {}
+        try:
+            await self._store._blob(self.key).stage_block(block_id, data, length=len(data), **extra)
+        except Exception as exc:
+            raise self._store._error(exc, self.key) from exc
+        return PartInfo(index, len(data), block_id)
+
+    async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
+        if self._closed:
+            raise StoreError(f"multipart upload of {self._store.url(self.key)} is no longer active")
+        if [p.index for p in parts] != list(range(len(parts))):
+            raise StoreError(f"multipart upload of {self._store.url(self.key)}: parts are not 0..n-1")
+        try:
+            await self._store._blob(self.key).commit_block_list(
+                [p.token or self.block_id(p.index) for p in parts],
+                metadata=_encode_metadata(self._metadata if metadata is None else metadata))
+        except Exception as exc:
+            raise self._store._error(exc, self.key) from exc
+        self._closed = self._discarded = True
+
+    async def abort(self) -> None:
+        self._closed = True
+        if not self._discarded:
+            await self._store.discard_uncommitted(self.key)
+            self._discarded = True
+
+
+def from_uri(uri: StorageURI, config: TransferConfig) -> AzureStore:
+    """Store for ``uri``'s container; ``FASTCKPT_AZURE_CONTENT_MD5=0`` turns the per-block MD5 off."""
+    md5 = os.environ.get("FASTCKPT_AZURE_CONTENT_MD5", "1").lower() not in ("0", "false", "no", "off")
+    return AzureStore(uri.bucket, resolve_endpoint(uri.options),
+                      max_connections=config.max_in_flight + 8, content_md5=md5)
