@@ -1,0 +1,536 @@
+"""Google Cloud Storage backend on gcloud-aio-storage (``gs://bucket/prefix``).
+
+Large objects are written as **parallel composite uploads**: each part is a temporary object under a
+hidden prefix tied to the upload (``<dir>/.fastckpt-parts/<name>.<upload_id>/<index>``), and
+``complete`` composes them (at most 32 sources per compose, in several levels when there are more)
+into the target, setting its metadata, then deletes the temporaries. ``abort`` deletes everything
+under the upload's prefix; ``list`` / ``list_dir`` never show it, ``list_pending_uploads`` finds it.
+
+Create-if-absent uses ``ifGenerationMatch=0``. Every upload carries its CRC32C, which GCS checks;
+the CRC32C the server reports back is compared too, so an emulator that does not check is covered.
+
+Metadata, listing, deletes and ranged downloads go through ``gcloud.aio.storage.Storage``; uploads
+and composes are sent on the same session directly, since the client neither streams a caller's
+buffer without copying it nor sets metadata or preconditions on compose.
+
+Endpoint: ``?endpoint_override=`` in the URI, else ``STORAGE_EMULATOR_HOST``, else
+https://storage.googleapis.com. Credentials come the usual way (``GOOGLE_APPLICATION_CREDENTIALS``,
+gcloud's application-default file, the GCE metadata server) through gcloud-aio-auth; they are skipped
+for ``STORAGE_EMULATOR_HOST``, for plain-http endpoints and with ``?anonymous=true``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import logging
+import os
+import re
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import aiohttp
+import google_crc32c
+from gcloud.aio.auth import Token
+from gcloud.aio.storage import Storage
+
+from ..config import TransferConfig
+from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError, TransientStoreError
+from ..uri import StorageURI
+from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+
+T = TypeVar("T")
+log = logging.getLogger("fastckpt")
+
+DEFAULT_ENDPOINT = "https://storage.googleapis.com"
+SCOPES = ["https://www.googleapis.com/auth/devstorage.read_write"]
+PARTS_DIR = ".fastckpt-parts"
+COMPOSE_LIMIT = 32
+"""Most source objects GCS accepts in one compose request."""
+CONTENT_TYPE = "application/octet-stream"
+_PART_RE = re.compile(r"^(?P<dir>(?:.*/)?)" + re.escape(PARTS_DIR) + r"/(?P<name>[^/]+)\.(?P<id>[0-9a-f]+)/[^/]+$")
+_CRC_OFF_LOOP = 1 << 20
+_CRC_STEP = 4 << 20
+_TRUE = ("1", "true", "yes", "on")
+
+
+def parts_prefix(key: str, upload_id: str) -> str:
+    """Hidden prefix (ending in '/') of the temporary part objects of upload ``upload_id`` of ``key``."""
+    head, _, name = key.rpartition("/")
+    return f"{head}/{PARTS_DIR}/{name}.{upload_id}/" if head else f"{PARTS_DIR}/{name}.{upload_id}/"
+
+
+def is_hidden(key: str) -> bool:
+    """Whether ``key`` is a temporary part of a composite upload."""
+    return f"/{PARTS_DIR}/" in f"/{key}"
+
+
+def _crc32c_sync(data: memoryview) -> str:
+    crc = 0
+    for i in range(0, len(data), _CRC_STEP):  # google_crc32c takes only immutable buffers: copy in steps
+        crc = google_crc32c.extend(crc, bytes(data[i : i + _CRC_STEP]))
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+async def crc32c(data: memoryview) -> str:
+    """Base64 of the big-endian CRC32C of ``data``, as GCS reports it (large buffers off the loop)."""
+    if len(data) < _CRC_OFF_LOOP:
+        return _crc32c_sync(data)
+    return await asyncio.get_running_loop().run_in_executor(None, _crc32c_sync, data)
+
+
+def _parse_time(text: str | None) -> float:
+    """Seconds since the epoch of an RFC 3339 time such as ``2024-05-01T10:00:00.12345Z``."""
+    if not text:
+        return 0.0
+    match = re.match(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)?$", text)
+    if not match:
+        return 0.0
+    zone = match[3] if match[3] and match[3] != "Z" else "+00:00"
+    stamp = datetime.fromisoformat(match[1] + zone).astimezone(timezone.utc).timestamp()
+    return stamp + float("0." + match[2]) if match[2] else stamp
+
+
+def _server_message(body: str) -> str:
+    """The ``error.message`` of a GCS JSON error body, else the body; on one line."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body
+    return " ".join(str(message).split())[:300] or "no details"
+
+
+async def _bounded(aws: list[Awaitable[T]], limit: int = 16) -> list[T]:
+    """Await ``aws`` with at most ``limit`` running at once."""
+    sem = asyncio.Semaphore(limit)
+
+    async def one(aw: Awaitable[T]) -> T:
+        async with sem:
+            return await aw
+
+    return list(await asyncio.gather(*(one(a) for a in aws)))
+
+
+class _HTTPStatus(Exception):
+    """A non-2xx answer to a request sent on the session directly."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class GCSUpload(MultipartUpload):
+    """A parallel composite upload: parts are temporary objects composed on ``complete``."""
+
+    def __init__(self, store: GCSStore, key: str, metadata: dict[str, str]) -> None:
+        self.key, self.upload_id = key, secrets.token_hex(8)
+        self._store, self._metadata = store, metadata
+        self.prefix = parts_prefix(key, self.upload_id)
+        self._sizes: dict[int, int] = {}
+        self._closed = False
+
+    def _part(self, index: int) -> str:
+        return f"{self.prefix}{index}"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"composite upload of {self._store.url(self.key)} is no longer active")
+
+    async def put_part(self, index: int, data: Buffer) -> PartInfo:
+        self._check_open()
+        with memoryview(data) as raw, raw.cast("B") as view:  # released: the caller's buffer goes back to a pool
+            size = len(view)
+            await self._store.upload_object(self._part(index), view)
+        if self._closed:  # aborted meanwhile: leave nothing behind
+            await self._store.delete(self._part(index))
+            self._check_open()
+        self._sizes[index] = size
+        return PartInfo(index, size)
+
+    async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
+        self._check_open()
+        indexes = [p.index for p in parts]
+        if indexes != list(range(len(parts))) or any(i not in self._sizes for i in indexes):
+            raise StoreError(f"composite upload of {self._store.url(self.key)}: parts {indexes} "
+                             "are not 0..n-1 as uploaded")
+        meta = metadata or self._metadata
+        if not parts:
+            await self._store.put(self.key, b"", metadata=meta)
+        else:
+            sources, level, temps = [self._part(i) for i in indexes], 0, []
+            while len(sources) > COMPOSE_LIMIT:
+                groups = [sources[i : i + COMPOSE_LIMIT] for i in range(0, len(sources), COMPOSE_LIMIT)]
+                names = [f"{self.prefix}c{level}-{j}" for j in range(len(groups))]
+                await _bounded([self._store.compose(n, g) for n, g in zip(names, groups, strict=True)])
+                temps += names
+                sources, level = names, level + 1
+            result = await self._store.compose(self.key, sources, meta)
+            expected = sum(self._sizes[i] for i in indexes)
+            if int(result.get("size", expected)) != expected:
+                raise StoreError(f"compose of {self._store.url(self.key)} made {result.get('size')} bytes, "
+                                 f"its parts hold {expected}")
+            await self._store.delete_quietly([self._part(i) for i in self._sizes] + temps)
+        self._closed = True
+
+    async def abort(self) -> None:
+        self._closed = True
+        await self._store.delete_prefix(self.prefix)
+
+
+class GCSStore(Store):
+    """Objects of one GCS bucket; keys are object names."""
+
+    name = "gcs"
+    min_part_size = 1
+    max_part_size = 5 << 30
+    max_parts = 10_000
+    metadata_on_complete = True
+
+    def __init__(
+        self,
+        bucket: str,
+        *,
+        endpoint: str | None = None,
+        anonymous: bool | None = None,
+        max_connections: int = 64,
+    ) -> None:
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST", "").strip()
+        if endpoint and not re.match(r"^https?://", endpoint):
+            raise ValueError(f"GCS endpoint_override {endpoint!r} must start with http:// or https://")
+        from_emulator = not endpoint and bool(emulator)
+        if from_emulator:
+            endpoint = emulator if "://" in emulator else f"http://{emulator}"
+        self.bucket = bucket
+        self.endpoint = (endpoint or DEFAULT_ENDPOINT).rstrip("/")
+        self.anonymous = anonymous if anonymous is not None else (
+            from_emulator or self.endpoint.startswith("http://"))
+        self._max_connections = max_connections
+        self._http: aiohttp.ClientSession | None = None
+        self._client: Storage | None = None
+        self._token: Token | None = None
+        self._had_token = False
+        self._bucket_exists = False
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
+
+    def url(self, key: str = "") -> str:
+        """``gs://bucket/key`` for messages."""
+        return f"gs://{self.bucket}/{key}"
+
+    # ----------------------------------------------------------------------------- plumbing
+
+    def _storage(self) -> Storage:
+        """The gcloud-aio-storage client and its session, made on first use inside the running loop."""
+        if self._client is None:
+            if self._http is None:
+                self._http = aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=self._max_connections), timeout=self._timeout)
+            try:
+                if not self.anonymous:
+                    self._token = Token(session=self._http, scopes=SCOPES)
+                # anonymous: the client's unused Token gets empty credentials, so no credentials file is read
+                self._client = Storage(session=self._http, token=self._token, api_root=self.endpoint,
+                                       api_is_dev=self.anonymous,
+                                       service_file=io.StringIO("{}") if self.anonymous else None)
+            except (OSError, ValueError, KeyError) as exc:
+                raise self._credentials_error(exc) from exc
+        return self._client
+
+    def _credentials_error(self, exc: BaseException) -> AccessDeniedError:
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        return AccessDeniedError(
+            f"cannot get GCS credentials for {self.url()} (endpoint {self.endpoint}): {reason}; set "
+            "GOOGLE_APPLICATION_CREDENTIALS, run where the metadata server answers, or use ?anonymous=true")
+
+    async def _headers(self) -> dict[str, str]:
+        """Authorization header (none when anonymous)."""
+        self._storage()
+        if self._token is None:
+            return {}
+        try:
+            token = await self._token.get()
+        except aiohttp.ClientResponseError as exc:
+            if self._had_token and (exc.status >= 500 or exc.status == 429):
+                raise TransientStoreError(f"GCS token refresh for {self.url()}: HTTP {exc.status}") from exc
+            raise self._credentials_error(exc) from exc
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            if self._had_token:
+                raise TransientStoreError(f"GCS token refresh for {self.url()}: {exc!r}") from exc
+            raise self._credentials_error(exc) from exc
+        except Exception as exc:  # a malformed key file fails anywhere in the JWT stack
+            raise self._credentials_error(exc) from exc
+        self._had_token = True
+        return {"Authorization": f"Bearer {token}"}
+
+    async def _call(self, what: str, op: Callable[[Storage, dict[str, str]], Awaitable[T]]) -> T:
+        """Run ``op(client, headers)``, turning HTTP and connection failures into fastckpt errors."""
+        headers = await self._headers()
+        try:
+            return await op(self._storage(), headers)
+        except aiohttp.ClientResponseError as exc:
+            raise await self._error(exc.status, _server_message(exc.message), what) from exc
+        except _HTTPStatus as exc:
+            raise await self._error(exc.status, exc.message, what) from exc
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            detail = " ".join(str(exc).split()) or type(exc).__name__
+            raise TransientStoreError(f"{what}: cannot reach GCS at {self.endpoint}: {detail}") from exc
+
+    async def _error(self, status: int, message: str, what: str) -> Exception:
+        if status == 404:
+            if not self._bucket_exists and await self._bucket_missing():
+                return ObjectNotFoundError(f"GCS bucket {self.bucket!r} does not exist at {self.endpoint}")
+            return ObjectNotFoundError(f"{what}: not found")
+        if status == 412:
+            return AlreadyExistsError(f"{what}: already exists (precondition failed)")
+        if status in (401, 403):
+            auth = "anonymous" if self.anonymous else "with the credentials found"
+            return AccessDeniedError(f"{what}: access denied by {self.endpoint} ({auth}; HTTP {status}: {message})")
+        if status in (408, 429) or status >= 500 or (status == 400 and "crc32c" in message.lower()):
+            return TransientStoreError(f"{what}: HTTP {status}: {message}")
+        return StoreError(f"{what}: HTTP {status}: {message}")
+
+    async def _bucket_missing(self) -> bool:
+        """Whether the bucket is absent (a 404 then names the bucket, not the object)."""
+        try:
+            await self._storage().get_bucket_metadata(self.bucket, headers=await self._headers(),
+                                                      timeout=self._timeout)  # type: ignore[arg-type]
+        except aiohttp.ClientResponseError as exc:
+            return exc.status == 404
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+        self._bucket_exists = True
+        return False
+
+    async def _send(self, method: str, url: str, **kwargs: Any) -> dict[str, Any]:
+        """A request on the session; the JSON answer, or _HTTPStatus."""
+        async with self._http.request(method, url, **kwargs) as resp:  # type: ignore[union-attr]
+            if resp.status >= 300:
+                raise _HTTPStatus(resp.status, _server_message(await resp.text(errors="replace")))
+            return await resp.json(content_type=None)
+
+    def _object_url(self, key: str) -> str:
+        return f"{self.endpoint}/storage/v1/b/{self.bucket}/o/{quote(key, safe='')}"
+
+    def _meta(self, item: dict[str, Any]) -> ObjectMeta:
+        return ObjectMeta(item["name"], int(item.get("size", 0)), _parse_time(item.get("updated")),
+                          item.get("etag"), dict(item.get("metadata") or {}))
+
+    # ----------------------------------------------------------------------------- writes
+
+    async def upload_object(
+        self, key: str, data: memoryview, metadata: dict[str, str] | None = None, *,
+        if_absent: bool = False, crc: str | None = None,
+    ) -> dict[str, Any]:
+        """One multipart/related upload of ``data`` (sent from the caller's buffer) with its CRC32C.
+
+        ``crc`` overrides the computed CRC32C (tests); a CRC32C the server reports differently makes the
+        object be deleted and a TransientStoreError be raised.
+        """
+        crc = crc or await crc32c(data)
+        resource = {"name": key, "contentType": CONTENT_TYPE, "crc32c": crc, "metadata": metadata or {}}
+        boundary = secrets.token_hex(16)
+        head = (f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
+                f"{json.dumps(resource)}\r\n--{boundary}\r\nContent-Type: {CONTENT_TYPE}\r\n\r\n").encode()
+        tail = f"\r\n--{boundary}--\r\n".encode()
+
+        async def body() -> AsyncIterator[bytes | memoryview]:
+            yield head
+            if len(data):
+                yield data
+            yield tail
+
+        params = {"uploadType": "multipart"}
+        if if_absent:
+            params["ifGenerationMatch"] = "0"
+        url = f"{self.endpoint}/upload/storage/v1/b/{self.bucket}/o"
+        what = f"upload of {self.url(key)}"
+
+        async def send(_: Storage, headers: dict[str, str]) -> dict[str, Any]:
+            headers = {**headers, "Content-Type": f"multipart/related; boundary={boundary}",
+                       "Content-Length": str(len(head) + len(data) + len(tail))}
+            return await self._send("POST", url, params=params, headers=headers, data=body())
+
+        result = await self._call(what, send)
+        if result.get("crc32c") not in (None, crc):
+            generation = result.get("generation")
+            await self._call(what, lambda c, h: c.delete(
+                self.bucket, key, headers=h, timeout=self._timeout,  # type: ignore[arg-type]
+                params={"ifGenerationMatch": str(generation)} if generation else None))
+            raise TransientStoreError(f"{what}: CRC32C mismatch (sent {crc}, stored {result['crc32c']}); "
+                                      "the object was removed")
+        return result
+
+    async def compose(self, key: str, sources: list[str], metadata: dict[str, str] | None = None
+                      ) -> dict[str, Any]:
+        """Compose up to 32 ``sources`` (in order) into ``key`` with ``metadata``."""
+        payload = {"sourceObjects": [{"name": s} for s in sources],
+                   "destination": {"contentType": CONTENT_TYPE, "metadata": metadata or {}}}
+
+        async def send(_: Storage, headers: dict[str, str]) -> dict[str, Any]:
+            return await self._send("POST", f"{self._object_url(key)}/compose", headers=headers, json=payload)
+
+        return await self._call(f"compose of {self.url(key)}", send)
+
+    async def put(
+        self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None
+    ) -> None:
+        with memoryview(data) as raw, raw.cast("B") as view:
+            await self.upload_object(key, view, metadata, if_absent=if_absent)
+
+    async def create_multipart(
+        self, key: str, part_size: int, metadata: dict[str, str] | None = None
+    ) -> MultipartUpload:
+        return GCSUpload(self, key, dict(metadata or {}))
+
+    async def delete(self, key: str) -> None:
+        try:
+            await self._call(f"delete of {self.url(key)}", lambda c, h: c.delete(
+                self.bucket, key, headers=h, timeout=self._timeout))  # type: ignore[arg-type]
+        except ObjectNotFoundError:
+            if not self._bucket_exists:
+                raise
+
+    async def delete_many(self, keys: list[str]) -> None:
+        await _bounded([self.delete(k) for k in keys])
+
+    async def delete_quietly(self, keys: list[str]) -> None:
+        """Delete ``keys``; failures are logged (gc finds leftovers through list_pending_uploads)."""
+        try:
+            await self.delete_many(keys)
+        except StoreError as exc:
+            log.warning("could not delete temporary parts in %s: %s", self.url(), exc)
+
+    async def delete_prefix(self, prefix: str) -> None:
+        """Delete every object whose name starts with ``prefix``, hidden ones included."""
+        await self.delete_many([item["name"] async for item in self._items(prefix)])
+
+    # ----------------------------------------------------------------------------- reads
+
+    async def head(self, key: str) -> ObjectMeta:
+        item = await self._call(self.url(key), lambda c, h: c.download_metadata(
+            self.bucket, key, headers=h, timeout=self._timeout))  # type: ignore[arg-type]
+        return self._meta(item)
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        headers = {"Range": f"bytes={start}-{start + length - 1}", "Accept-Encoding": "identity"}
+
+        async def read(client: Storage, auth: dict[str, str]) -> bytes:
+            try:
+                return await client.download(self.bucket, key, headers={**auth, **headers},
+                                             timeout=self._timeout)  # type: ignore[arg-type]
+            except aiohttp.ClientResponseError as exc:
+                if exc.status == 416:  # start at or past the end
+                    return b""
+                raise
+
+        return await self._call(self.url(key), read)
+
+    async def read_into(self, key: str, start: int, buf: memoryview) -> int:
+        if not len(buf):
+            return 0
+        headers = {"Range": f"bytes={start}-{start + len(buf) - 1}", "Accept-Encoding": "identity"}
+
+        async def read(client: Storage, auth: dict[str, str]) -> int:
+            try:
+                stream = await client.download_stream(self.bucket, key, headers={**auth, **headers},
+                                                      timeout=self._timeout)  # type: ignore[arg-type]
+            except aiohttp.ClientResponseError as exc:
+                if exc.status == 416:
+                    return 0
+                raise
+            async with stream as resp:
+                if resp.status == 200 and start:
+                    raise StoreError(f"{self.url(key)}: {self.endpoint} ignored the Range header")
+                n = 0
+                async for chunk in resp.content.iter_any():
+                    take = min(len(chunk), len(buf) - n)
+                    buf[n : n + take] = chunk[:take] if take < len(chunk) else chunk
+                    n += take
+                    if n == len(buf):
+                        break
+                return n
+
+        return await self._call(self.url(key), read)
+
+    async def _pages(self, prefix: str, delimiter: str | None = None
+                     ) -> AsyncIterator[tuple[list[dict[str, Any]], list[str]]]:
+        """(objects, sub-prefixes) of each listing page of ``prefix``."""
+        params = {"prefix": prefix, "maxResults": "1000"}
+        if delimiter:
+            params["delimiter"] = delimiter
+        while True:
+            page = await self._call(f"listing of {self.url(prefix)}", lambda c, h: c.list_objects(
+                self.bucket, params=dict(params), headers=h, timeout=self._timeout))  # type: ignore[arg-type]
+            yield page.get("items", []), page.get("prefixes", [])
+            if not page.get("nextPageToken"):
+                return
+            params["pageToken"] = page["nextPageToken"]
+
+    async def _items(self, prefix: str) -> AsyncIterator[dict[str, Any]]:
+        async for items, _ in self._pages(prefix):
+            for item in items:
+                yield item
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectMeta]:
+        base = prefix.strip("/")
+        if base and not is_hidden(base):
+            try:
+                yield await self.head(base)
+            except ObjectNotFoundError:
+                pass
+        async for item in self._items(base + "/" if base else ""):
+            if not is_hidden(item["name"]) and not item["name"].endswith("/"):  # skip folder placeholders
+                yield self._meta(item)
+
+    async def list_dir(self, prefix: str = "") -> tuple[list[ObjectMeta], list[str]]:
+        base = prefix.strip("/")
+        objects: list[ObjectMeta] = []
+        dirs: list[str] = []
+        async for items, prefixes in self._pages(base + "/" if base else "", delimiter="/"):
+            objects += [self._meta(i) for i in items if not i["name"].endswith("/")]
+            dirs += [p.rstrip("/") for p in prefixes if p.rstrip("/").rpartition("/")[2] != PARTS_DIR]
+        return objects, dirs
+
+    # ----------------------------------------------------------------------------- gc
+
+    async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
+        base = prefix.strip("/")
+        scans = [base + "/" if base else ""]
+        if base:  # parts of an upload to ``base`` itself live beside it
+            head, _, name = base.rpartition("/")
+            scans.append(f"{head}/{PARTS_DIR}/{name}." if head else f"{PARTS_DIR}/{name}.")
+        found: dict[tuple[str, str], float] = {}
+        for scan in scans:
+            async for item in self._items(scan):
+                match = _PART_RE.match(item["name"])
+                if match and in_prefix(match["dir"] + match["name"], base):
+                    ident = (match["dir"] + match["name"], match["id"])
+                    started = _parse_time(item.get("timeCreated"))
+                    found[ident] = min(found.get(ident, started), started)
+        return [PendingUpload(key, upload_id, started) for (key, upload_id), started in sorted(found.items())]
+
+    async def abort_pending_upload(self, upload: PendingUpload) -> None:
+        await self.delete_prefix(parts_prefix(upload.key, upload.upload_id))
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+        self._http = self._client = self._token = None
+
+
+def from_uri(uri: StorageURI, config: TransferConfig) -> GCSStore:
+    """Store for ``gs://bucket/...``; options ``endpoint_override`` and ``anonymous`` (``project`` is
+    accepted but object requests do not need it)."""
+    anonymous = uri.options.get("anonymous")
+    return GCSStore(
+        uri.bucket,
+        endpoint=uri.options.get("endpoint_override") or None,
+        anonymous=None if anonymous is None else anonymous.lower() in _TRUE,
+        max_connections=max(64, 2 * config.max_in_flight),
+    )
