@@ -7,8 +7,10 @@ it splits its own requests.
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
+from types import ModuleType
 
 import xxhash
 
@@ -19,18 +21,29 @@ META_DIGEST = "fastckpt-xxh3"
 META_CHUNK = "fastckpt-chunk"
 
 
-def _load_native():  # noqa: ANN202
+def _load_native() -> tuple[ModuleType | None, str]:
+    """The native accelerator module (or None) and a word on why."""
     if os.environ.get("FASTCKPT_NATIVE", "1").lower() in ("0", "false", "no", "off"):
-        return None
+        return None, "disabled by FASTCKPT_NATIVE"
     try:
-        from . import _native  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _native
+        module = importlib.import_module(f"{__package__}._native")
+    except ModuleNotFoundError:
+        return None, "not built"
+    except ImportError as exc:  # built, but e.g. libxxhash.so is missing
+        return None, f"failed to load: {exc}"
+    return module, "loaded"
 
 
-_native = _load_native()
+_native, _NATIVE_STATUS = _load_native()
 NATIVE = _native is not None
+
+
+def native_info() -> dict[str, object]:
+    """What ``fastckpt doctor`` shows about the native accelerator."""
+    info: dict[str, object] = {"native": NATIVE, "status": _NATIVE_STATUS}
+    if _native is not None:
+        info.update(path=_native.__file__, xxhash=_native.XXHASH_VERSION, dispatch=bool(_native.DISPATCH))
+    return info
 
 
 def hash_chunk(data: bytes | bytearray | memoryview) -> bytes:
@@ -44,6 +57,8 @@ def hash_chunks(data: bytes | bytearray | memoryview, chunk_size: int) -> list[b
     """Digests of ``data`` cut into ``chunk_size`` pieces (the last may be shorter)."""
     if _native is not None:
         return _native.xxh3_128_chunks(data, chunk_size)
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
     view = memoryview(data)
     return [xxhash.xxh3_128_digest(view[i : i + chunk_size]) for i in range(0, len(view), chunk_size)]
 
@@ -58,11 +73,13 @@ def read_and_hash(fd: int, offset: int, buf: memoryview) -> bytes:
 
 def read_exact(fd: int, offset: int, buf: memoryview) -> None:
     """Fill ``buf`` from ``fd`` at ``offset``; short reads are retried, EOF raises."""
+    _check_offset(offset)
     done = 0
     while done < len(buf):
         n = os.preadv(fd, [buf[done:]], offset + done)
         if n == 0:
-            raise EOFError(f"file ended at byte {offset + done}, {len(buf) - done} bytes short")
+            raise EOFError(f"end of file at byte {offset + done}: wanted {len(buf)} bytes from offset {offset}, "
+                           f"got {done}")
         done += n
 
 
@@ -71,9 +88,15 @@ def write_at(fd: int, offset: int, buf: memoryview) -> None:
     if _native is not None:
         _native.write_at(fd, offset, buf)
         return
+    _check_offset(offset)
     done = 0
     while done < len(buf):
         done += os.pwritev(fd, [buf[done:]], offset + done)
+
+
+def _check_offset(offset: int) -> None:
+    if offset < 0:  # os.preadv/pwritev would use the file position instead
+        raise ValueError(f"offset must be >= 0, got {offset}")
 
 
 def combine(chunk_digests: list[bytes]) -> str:
