@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -106,7 +105,7 @@ def cmd_doctor(args: argparse.Namespace) -> dict[str, object]:
     from . import integrity
     from ._loop import uvloop
 
-    return {"version": __version__, "python": sys.version.split()[0], "native_accelerator": integrity.NATIVE,
+    return {"version": __version__, "python": sys.version.split()[0], "native_accelerator": integrity.native_info(),
             "uvloop": uvloop is not None, "config": TransferConfig.from_env().__dict__}
 
 

@@ -37,7 +37,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def store_uri(backend: str, tmp_path, request: pytest.FixtureRequest) -> str:  # noqa: ANN001
+def store_uri(backend: str, tmp_path, request: pytest.FixtureRequest) -> str:
     """Base URI of a fresh prefix on ``backend``."""
     if backend == "memory":
         return f"memory://conf-{uuid.uuid4().hex[:8]}/base"
@@ -47,7 +47,7 @@ def store_uri(backend: str, tmp_path, request: pytest.FixtureRequest) -> str:  #
 
 
 @pytest.fixture
-async def store(store_uri: str):  # noqa: ANN201
+async def store(store_uri: str):
     """(store, base key) for ``store_uri``; closed after the test."""
     uri = parse_uri(store_uri)
     s = open_store(uri, small_config())

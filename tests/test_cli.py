@@ -14,7 +14,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
 
 
-def test_cp_ls_verify_roundtrip(tmp_path) -> None:  # noqa: ANN001
+def test_cp_ls_verify_roundtrip(tmp_path) -> None:
     src = tmp_path / "ckpt"
     (src / "sub").mkdir(parents=True)
     (src / "a.bin").write_bytes(os.urandom(3000))
@@ -39,7 +39,7 @@ def test_cp_ls_verify_roundtrip(tmp_path) -> None:  # noqa: ANN001
     assert bad.returncode == 1 and "FAIL" in bad.stdout and "a.bin" in bad.stdout
 
 
-def test_errors_are_one_line(tmp_path) -> None:  # noqa: ANN001
+def test_errors_are_one_line(tmp_path) -> None:
     res = run("cp", str(tmp_path / "missing"), f"file://{tmp_path}/x")
     assert res.returncode == 1
     assert res.stderr.strip().count("\n") == 0 and "does not exist" in res.stderr
@@ -47,7 +47,7 @@ def test_errors_are_one_line(tmp_path) -> None:  # noqa: ANN001
     assert res.returncode == 1 and "invalid storage URI" in res.stderr
 
 
-def test_demo_and_doctor(tmp_path) -> None:  # noqa: ANN001
+def test_demo_and_doctor(tmp_path) -> None:
     res = run("demo", "--size", "8MiB", "--dir", str(tmp_path), "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)

@@ -15,12 +15,12 @@ from fastckpt.integrity import FileDigest
 from .conftest import small_config
 
 
-def part_size_of(store) -> int:  # noqa: ANN001
+def part_size_of(store) -> int:
     """The part size the engine uses on this store with the test config."""
     return plan_upload(1, small_config(), store).part_size
 
 
-async def roundtrip(store, uri, tmp_path, name: str, size: int) -> bytes:  # noqa: ANN001
+async def roundtrip(store, uri, tmp_path, name: str, size: int) -> bytes:
     data = os.urandom(size)
     src = tmp_path / "src" / name.replace("/", "_")
     src.parent.mkdir(exist_ok=True)
@@ -39,7 +39,7 @@ async def roundtrip(store, uri, tmp_path, name: str, size: int) -> bytes:  # noq
 
 
 @pytest.mark.parametrize("shape", ["empty", "one_byte", "one_part", "part_plus_one", "multi_part"])
-async def test_roundtrip_sizes(store, tmp_path, shape: str) -> None:  # noqa: ANN001
+async def test_roundtrip_sizes(store, tmp_path, shape: str) -> None:
     s, uri = store
     part = part_size_of(s)
     size = {"empty": 0, "one_byte": 1, "one_part": part, "part_plus_one": part + 1,
@@ -47,7 +47,7 @@ async def test_roundtrip_sizes(store, tmp_path, shape: str) -> None:  # noqa: AN
     await roundtrip(s, uri, tmp_path, f"f-{shape}.bin", size)
 
 
-async def test_directory_roundtrip_nested_unicode(store, tmp_path) -> None:  # noqa: ANN001
+async def test_directory_roundtrip_nested_unicode(store, tmp_path) -> None:
     import fastckpt
 
     s, uri = store
@@ -69,7 +69,7 @@ async def test_directory_roundtrip_nested_unicode(store, tmp_path) -> None:  # n
         assert (out / rel).read_bytes() == (src / rel).read_bytes()
 
 
-async def test_list_and_list_dir(store) -> None:  # noqa: ANN001
+async def test_list_and_list_dir(store) -> None:
     s, uri = store
     for key in ["a/1", "a/2", "a/sub/3", "ab/4", "b"]:
         await s.put(uri.join(key), key.encode())
@@ -82,7 +82,7 @@ async def test_list_and_list_dir(store) -> None:  # noqa: ANN001
     assert [m async for m in s.list(uri.join("nothing-here"))] == []
 
 
-async def test_delete(store) -> None:  # noqa: ANN001
+async def test_delete(store) -> None:
     s, uri = store
     await s.put(uri.join("x"), b"123")
     await s.delete(uri.join("x"))
@@ -95,7 +95,7 @@ async def test_delete(store) -> None:  # noqa: ANN001
     assert [m async for m in s.list(uri.join("m"))] == []
 
 
-async def test_head_and_get_missing(store) -> None:  # noqa: ANN001
+async def test_head_and_get_missing(store) -> None:
     s, uri = store
     with pytest.raises(ObjectNotFoundError):
         await s.head(uri.join("missing"))
@@ -103,7 +103,7 @@ async def test_head_and_get_missing(store) -> None:  # noqa: ANN001
         await s.get_range(uri.join("missing"), 0, 10)
 
 
-async def test_create_if_absent(store) -> None:  # noqa: ANN001
+async def test_create_if_absent(store) -> None:
     s, uri = store
     await s.put(uri.join("marker"), b"first", if_absent=True)
     with pytest.raises(AlreadyExistsError):
@@ -111,7 +111,7 @@ async def test_create_if_absent(store) -> None:  # noqa: ANN001
     assert await s.get_range(uri.join("marker"), 0, 100) == b"first"
 
 
-async def test_create_if_absent_race(store) -> None:  # noqa: ANN001
+async def test_create_if_absent_race(store) -> None:
     s, uri = store
     results = await asyncio.gather(*(s.put(uri.join("race"), str(i).encode(), if_absent=True)
                                      for i in range(8)), return_exceptions=True)
@@ -121,7 +121,7 @@ async def test_create_if_absent_race(store) -> None:  # noqa: ANN001
     assert await s.get_range(uri.join("race"), 0, 10) == str(winners[0]).encode()
 
 
-async def test_concurrent_uploads_to_different_keys(store, tmp_path) -> None:  # noqa: ANN001
+async def test_concurrent_uploads_to_different_keys(store, tmp_path) -> None:
     s, uri = store
     part = part_size_of(s)
     datas = {}
@@ -138,7 +138,7 @@ async def test_concurrent_uploads_to_different_keys(store, tmp_path) -> None:  #
     transfer.close()
 
 
-async def test_aborted_multipart_leaves_nothing(store) -> None:  # noqa: ANN001
+async def test_aborted_multipart_leaves_nothing(store) -> None:
     s, uri = store
     part = part_size_of(s)
     mpu = await s.create_multipart(uri.join("aborted"), part)
@@ -151,7 +151,7 @@ async def test_aborted_multipart_leaves_nothing(store) -> None:  # noqa: ANN001
     assert [u for u in await s.list_pending_uploads(uri.key) if u.key == uri.join("aborted")] == []
 
 
-async def test_multipart_parts_out_of_order(store) -> None:  # noqa: ANN001
+async def test_multipart_parts_out_of_order(store) -> None:
     s, uri = store
     part = part_size_of(s)
     chunks = [os.urandom(part), os.urandom(part), os.urandom(17)]
@@ -164,7 +164,7 @@ async def test_multipart_parts_out_of_order(store) -> None:  # noqa: ANN001
     assert await s.get_range(uri.join("ooo"), 0, meta.size) == b"".join(chunks)
 
 
-async def test_pending_upload_listed_and_aborted(store) -> None:  # noqa: ANN001
+async def test_pending_upload_listed_and_aborted(store) -> None:
     s, uri = store
     part = part_size_of(s)
     mpu = await s.create_multipart(uri.join("pending/obj"), part)
@@ -175,7 +175,7 @@ async def test_pending_upload_listed_and_aborted(store) -> None:  # noqa: ANN001
     assert [u for u in await s.list_pending_uploads(uri.key) if u.key == uri.join("pending/obj")] == []
 
 
-async def test_ranged_reads(store) -> None:  # noqa: ANN001
+async def test_ranged_reads(store) -> None:
     s, uri = store
     data = os.urandom(10_000)
     await s.put(uri.join("r"), data)
@@ -188,7 +188,7 @@ async def test_ranged_reads(store) -> None:  # noqa: ANN001
     assert bytes(buf) == data[100:400]
 
 
-async def test_metadata_roundtrip(store) -> None:  # noqa: ANN001
+async def test_metadata_roundtrip(store) -> None:
     s, uri = store
     await s.put(uri.join("meta"), b"abc", metadata={"fastckpt-xxh3": "00ff", "fastckpt-chunk": "42"})
     meta = await s.head(uri.join("meta"))
@@ -196,7 +196,7 @@ async def test_metadata_roundtrip(store) -> None:  # noqa: ANN001
     assert meta.metadata.get("fastckpt-chunk") == "42"
 
 
-async def test_overwrite_replaces(store) -> None:  # noqa: ANN001
+async def test_overwrite_replaces(store) -> None:
     s, uri = store
     await s.put(uri.join("o"), b"old-old")
     await s.put(uri.join("o"), b"new")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -20,18 +21,18 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def data_file(tmp_path):  # noqa: ANN001, ANN201
+def data_file(tmp_path):
     path = tmp_path / "big.bin"
     path.write_bytes(os.urandom(3 * MiB + 777))
     return path
 
 
-def leftovers(root) -> list[str]:  # noqa: ANN001
+def leftovers(root) -> list[str]:
     return [n for _, _, files in os.walk(root) for n in files if n.endswith(".fastckpt-part")]
 
 
 @pytest.mark.parametrize("inner", ["memory", "local"])
-async def test_transient_errors_are_retried(inner: str, data_file, tmp_path) -> None:  # noqa: ANN001
+async def test_transient_errors_are_retried(inner: str, data_file, tmp_path) -> None:
     base = MemoryStore("retry") if inner == "memory" else LocalStore(str(tmp_path / "store"))
     store = FaultInjectingStore(base, error_rate=0.10, seed=7)
     transfer = Transfer(store, small_config(retries=8))
@@ -42,7 +43,7 @@ async def test_transient_errors_are_retried(inner: str, data_file, tmp_path) -> 
     assert up.digest == down.digest
 
 
-async def test_permanent_error_aborts_and_leaves_nothing(data_file, tmp_path) -> None:  # noqa: ANN001
+async def test_permanent_error_aborts_and_leaves_nothing(data_file, tmp_path) -> None:
     root = tmp_path / "store"
     base = LocalStore(str(root))
     store = FaultInjectingStore(base, fail_after=3, ops={"put_part", "complete"})
@@ -55,7 +56,7 @@ async def test_permanent_error_aborts_and_leaves_nothing(data_file, tmp_path) ->
     assert await base.list_pending_uploads("") == []
 
 
-async def test_retries_exhausted_names_the_file(data_file) -> None:  # noqa: ANN001
+async def test_retries_exhausted_names_the_file(data_file) -> None:
     store = FaultInjectingStore(MemoryStore("exhaust"), error_rate=1.0, ops={"put_part"})
     transfer = Transfer(store, small_config(retries=2))
     with pytest.raises(TransientStoreError, match=r"big\.bin.*failed after 3 attempts"):
@@ -65,7 +66,7 @@ async def test_retries_exhausted_names_the_file(data_file) -> None:  # noqa: ANN
 
 
 @pytest.mark.parametrize("inner", ["memory", "local"])
-async def test_flipped_byte_raises_integrity_error(inner: str, data_file, tmp_path) -> None:  # noqa: ANN001
+async def test_flipped_byte_raises_integrity_error(inner: str, data_file, tmp_path) -> None:
     store = MemoryStore("flip") if inner == "memory" else LocalStore(str(tmp_path / "store"))
     transfer = Transfer(store, small_config())
     await transfer.upload_file(str(data_file), "ckpt/model.bin")
@@ -82,7 +83,7 @@ async def test_flipped_byte_raises_integrity_error(inner: str, data_file, tmp_pa
         await transfer.verify_object("ckpt/model.bin")
 
 
-async def test_memory_stays_bounded_by_pool(tmp_path) -> None:  # noqa: ANN001
+async def test_memory_stays_bounded_by_pool(tmp_path) -> None:
     path = tmp_path / "f"
     path.write_bytes(os.urandom(20 * MiB))
     config = small_config(part_size=MiB, multipart_threshold=MiB, max_in_flight=3)
@@ -102,15 +103,15 @@ async def test_pool_replaces_small_buffers() -> None:
     pool.close()
 
 
-async def test_progress_reaches_total(data_file, tmp_path) -> None:  # noqa: ANN001
+async def test_progress_reaches_total(data_file, tmp_path) -> None:
     seen: list[tuple[int, int]] = []
     transfer = Transfer(MemoryStore("progress"), small_config(), progress=lambda d, t: seen.append((d, t)))
     await transfer.upload_file(str(data_file), "p")
     assert seen[-1] == (data_file.stat().st_size, data_file.stat().st_size)
-    assert all(d1 <= d2 for (d1, _), (d2, _) in zip(seen, seen[1:], strict=False))
+    assert all(d1 <= d2 for (d1, _), (d2, _) in itertools.pairwise(seen))
 
 
-def test_bad_input_errors(tmp_path) -> None:  # noqa: ANN001
+def test_bad_input_errors(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         fastckpt.upload(tmp_path / "does-not-exist", f"file://{tmp_path}/dst")
     with pytest.raises(ValueError, match="invalid storage URI"):
@@ -120,13 +121,13 @@ def test_bad_input_errors(tmp_path) -> None:  # noqa: ANN001
     (tmp_path / "src" / "b").write_bytes(b"b")
     fastckpt.upload(tmp_path / "src", f"file://{tmp_path}/store/dir")
     (tmp_path / "plain-file").write_bytes(b"x")
-    with pytest.raises(NotADirectoryError, match="plain-file.*is a file"):
+    with pytest.raises(NotADirectoryError, match=r"plain-file.*is a file"):
         fastckpt.download(f"file://{tmp_path}/store/dir", tmp_path / "plain-file")
     with pytest.raises(ObjectNotFoundError, match="nothing found"):
         fastckpt.download(f"file://{tmp_path}/store/none", tmp_path / "out")
 
 
-def test_sync_api_inside_running_loop(tmp_path) -> None:  # noqa: ANN001
+def test_sync_api_inside_running_loop(tmp_path) -> None:
     import asyncio
 
     (tmp_path / "f").write_bytes(b"hello")
@@ -138,7 +139,7 @@ def test_sync_api_inside_running_loop(tmp_path) -> None:  # noqa: ANN001
     assert results[0].digest.size == 5
 
 
-def test_download_into_directory_and_file_target(tmp_path) -> None:  # noqa: ANN001
+def test_download_into_directory_and_file_target(tmp_path) -> None:
     (tmp_path / "f.bin").write_bytes(b"payload")
     fastckpt.upload(tmp_path / "f.bin", "memory://targets/dir/")
     (tmp_path / "d").mkdir()

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import os
 import secrets
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,7 +23,32 @@ from .retry import with_retries
 from .tasks import gather_all
 
 T = TypeVar("T")
-_IO = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fastckpt-io")
+_IO_THREADS = 16
+_IO = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="fastckpt-io")
+_io_started = threading.Event()
+
+
+def _start_io_threads() -> None:
+    """Start the I/O threads now, from a side thread (best effort, never blocks the caller).
+
+    ThreadPoolExecutor starts its threads lazily inside ``submit``, and ``Thread.start`` waits for the
+    new thread to take the GIL: done on the event loop, that stalls it for milliseconds per thread.
+    Tasks that hold their thread until all are submitted make ``submit`` start a thread for each.
+    """
+    if _io_started.is_set():
+        return
+    _io_started.set()
+    submitted = threading.Event()
+
+    def fill() -> None:
+        try:
+            for _ in range(_IO_THREADS):
+                _IO.submit(submitted.wait, 1.0)
+        except RuntimeError:  # the interpreter is exiting
+            pass
+        submitted.set()
+
+    threading.Thread(target=fill, name="fastckpt-io-start", daemon=True).start()
 
 
 async def off_loop(fn: Callable[..., T], *args: object) -> T:
@@ -45,6 +71,7 @@ class Transfer:
     def __init__(
         self, store: Store, config: TransferConfig | None = None, progress: ProgressCallback | None = None
     ) -> None:
+        _start_io_threads()
         self.store = store
         self.config = config or TransferConfig.from_env()
         self.pool = BufferPool(self.config.part_size, self.config.max_in_flight)
@@ -55,7 +82,7 @@ class Transfer:
         """Release pooled buffers."""
         self.pool.close()
 
-    async def _retry(self, op: Callable[[], object], what: str):  # noqa: ANN202
+    async def _retry(self, op: Callable[[], object], what: str):
         return await with_retries(op, self.config, what)  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------------------- uploads
@@ -126,7 +153,7 @@ class Transfer:
     async def _abort(self, mpu: MultipartUpload) -> None:
         try:
             await self._retry(mpu.abort, f"abort of multipart upload of {mpu.key}")
-        except Exception:  # noqa: BLE001 - the original error matters more; gc removes leftovers
+        except Exception:
             pass
 
     async def _send_part(self, fd: int, plan: Plan, index: int, mpu: MultipartUpload, what: str

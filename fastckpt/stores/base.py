@@ -89,7 +89,7 @@ class Store(abc.ABC):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - nothing to release by default
         """Release clients and connections."""
 
     @abc.abstractmethod
@@ -148,7 +148,7 @@ class Store(abc.ABC):
         """Multipart uploads under ``prefix`` never completed or aborted (for gc)."""
         return []
 
-    async def abort_pending_upload(self, upload: PendingUpload) -> None:
+    async def abort_pending_upload(self, upload: PendingUpload) -> None:  # noqa: B027 - none by default
         """Abort an upload found by ``list_pending_uploads``."""
 
 
