@@ -147,3 +147,17 @@ def test_download_into_directory_and_file_target(tmp_path) -> None:
     assert (tmp_path / "d" / "f.bin").read_bytes() == b"payload"
     fastckpt.download("memory://targets/dir/f.bin", tmp_path / "renamed.bin")
     assert (tmp_path / "renamed.bin").read_bytes() == b"payload"
+
+
+async def test_pool_never_reuses_a_buffer_after_a_failure() -> None:
+    pool = BufferPool(1024, 1)
+    held = []
+    with pytest.raises(RuntimeError):
+        async with pool.buffer(10) as view:
+            held.append(memoryview(view))  # e.g. a connection still flushing it
+            raise RuntimeError("request failed")
+    async with pool.buffer(10) as again:
+        again[:3] = b"new"
+    assert held[0].obj is not again.obj
+    assert pool.allocated == 1
+    pool.close()

@@ -14,6 +14,9 @@ class BufferPool:
     Buffers are anonymous ``mmap`` regions (page-aligned, not zero-filled twice, returned to the
     OS on close). A request larger than a pooled buffer replaces that buffer, so memory stays at
     ``count * largest size asked for``.
+
+    A buffer whose user failed (or was cancelled) is not reused: a connection that is being torn down
+    may still hold a view of it and flush it, and must never see another part's bytes there.
     """
 
     def __init__(self, size: int, count: int) -> None:
@@ -32,22 +35,33 @@ class BufferPool:
             view = memoryview(buf)[:nbytes]
             try:
                 yield view
-            finally:
-                view.release()
-                self._free.append(buf)
+            except BaseException:
+                self._discard(buf, view)
+                raise
+            view.release()
+            self._free.append(buf)
 
     def _take(self, nbytes: int) -> mmap.mmap:
         while self._free:
             buf = self._free.pop()
             if len(buf) >= nbytes:
                 return buf
-            buf.close()
-            self.allocated -= 1
+            self._discard(buf)
         self.allocated += 1
         return mmap.mmap(-1, max(nbytes, self.size, 1))
+
+    def _discard(self, buf: mmap.mmap, view: memoryview | None = None) -> None:
+        """Forget ``buf``; unmap it now unless someone still holds a view (then the GC unmaps it)."""
+        self.allocated -= 1
+        try:
+            if view is not None:
+                view.release()
+            buf.close()
+        except BufferError:
+            pass
 
     def close(self) -> None:
         """Unmap free buffers."""
         for buf in self._free:
-            buf.close()
+            self._discard(buf)
         self._free.clear()

@@ -1,0 +1,558 @@
+"""S3 backend against real moto servers: multipart, retries, aborts, conditional writes, config, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import logging
+import os
+import threading
+import traceback
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+import boto3
+import pytest
+
+import fastckpt
+from fastckpt import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    IntegrityError,
+    ObjectNotFoundError,
+    StoreError,
+    TransferConfig,
+    TransientStoreError,
+    open_store,
+    parse_uri,
+)
+from fastckpt.engine.plan import plan_upload
+from fastckpt.engine.transfer import Transfer
+from fastckpt.integrity import META_CHUNK, META_DIGEST, FileDigest
+from fastckpt.stores.faults import FaultInjectingStore
+from fastckpt.stores.s3 import S3Store, resolve_endpoint
+
+from .conftest import small_config
+from .servers.s3 import BUCKET, MotoServer, free_port, start_moto, stop_moto
+
+PART = 5 << 20
+
+
+def raw_client(server: MotoServer):
+    """A plain boto3 client on the server, to check what fastckpt did independently of it."""
+    return boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1")
+
+
+def make_file(tmp_path, name: str, size: int) -> tuple[str, bytes]:
+    data = os.urandom(size)
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path), data
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc)
+    assert "\n" not in text, text
+    return text
+
+
+@pytest.fixture
+async def s3(s3_uri: str):
+    """(S3Store, parsed URI) on a fresh prefix."""
+    uri = parse_uri(s3_uri)
+    store = open_store(uri, small_config())
+    try:
+        yield store, uri
+    finally:
+        await store.close()
+
+
+def pending_on_server(server: MotoServer, prefix: str) -> list[dict]:
+    return raw_client(server).list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])
+
+
+# --------------------------------------------------------------------------------- multipart
+
+
+async def test_many_parts_in_flight_on_one_client(s3, tmp_path) -> None:
+    store, uri = s3
+    client = await store.client()
+    assert client.meta.config.max_pool_connections == small_config().max_in_flight + 16
+    want, waiting, gate = 4, [0], asyncio.Event()
+
+    async def hold_until_parallel(**_: object) -> None:
+        # Every UploadPart about to be sent waits here until ``want`` of them are pending at once.
+        waiting[0] += 1
+        if waiting[0] >= want:
+            gate.set()
+        await asyncio.wait_for(gate.wait(), timeout=60)
+
+    client.meta.events.register("before-send.s3.UploadPart", hold_until_parallel)
+    path, data = make_file(tmp_path, "big", 5 * PART + 123)
+    transfer = Transfer(store, small_config())
+    result = await transfer.upload_file(path, uri.join("big"))
+    transfer.close()
+    assert waiting[0] == 6 and gate.is_set()
+    assert await store.client() is client  # one client per store, no per-part clients
+    assert await store.get_range(uri.join("big"), 0, len(data)) == data
+    assert FileDigest.from_metadata(len(data), (await store.head(uri.join("big"))).metadata) == result.digest
+
+
+async def test_transient_part_failures_are_retried(s3, moto_server, tmp_path) -> None:
+    store, uri = s3
+    faulty = FaultInjectingStore(store, error_rate=0.5, ops={"put_part"}, seed=7)
+    path, data = make_file(tmp_path, "flaky", 3 * PART + 1)
+    transfer = Transfer(faulty, small_config(retries=8))
+    await transfer.upload_file(path, uri.join("flaky"))
+    transfer.close()
+    assert faulty.injected >= 1
+    assert await store.get_range(uri.join("flaky"), 0, len(data)) == data
+    assert pending_on_server(moto_server, uri.key) == []
+
+
+@pytest.mark.parametrize("failing", ["put_part", "complete"])
+async def test_permanent_failure_aborts_upload(s3, moto_server, tmp_path, failing: str) -> None:
+    store, uri = s3
+    faulty = FaultInjectingStore(store, fail_after=1 if failing == "put_part" else 0, ops={failing})
+    path, _ = make_file(tmp_path, "doomed", 3 * PART + 1)
+    transfer = Transfer(faulty, small_config())
+    with pytest.raises(StoreError, match="injected permanent failure"):
+        await transfer.upload_file(path, uri.join("doomed"))
+    transfer.close()
+    assert pending_on_server(moto_server, uri.key) == []
+    assert await store.list_pending_uploads(uri.key) == []
+    with pytest.raises(ObjectNotFoundError):
+        await store.head(uri.join("doomed"))
+    assert [m async for m in store.list(uri.key)] == []
+
+
+async def test_digest_metadata_on_multipart_object(s3, moto_server, tmp_path) -> None:
+    store, uri = s3
+    path, data = make_file(tmp_path, "mp", 2 * PART + 99)
+    transfer = Transfer(store, small_config())
+    result = await transfer.upload_file(path, uri.join("mp"))
+    transfer.close()
+    raw = raw_client(moto_server).head_object(Bucket=BUCKET, Key=uri.join("mp"))
+    headers = raw["ResponseMetadata"]["HTTPHeaders"]
+    assert headers[f"x-amz-meta-{META_DIGEST}"] == result.digest.digest
+    assert headers[f"x-amz-meta-{META_CHUNK}"] == str(PART)
+    assert raw["ContentLength"] == len(data)
+    meta = await store.head(uri.join("mp"))
+    assert meta.metadata == {META_DIGEST: result.digest.digest, META_CHUNK: str(PART)}
+
+
+@pytest.mark.parametrize("size", [100_000, PART + 4321], ids=["single_put", "multipart"])
+async def test_flipped_byte_fails_download(s3, tmp_path, size: int) -> None:
+    store, uri = s3
+    key = uri.join("dir", "victim.bin")
+    path, data = make_file(tmp_path, "victim", size)
+    transfer = Transfer(store, small_config())
+    await transfer.upload_file(path, key)
+    meta = await store.head(key)
+    corrupted = bytearray(data)
+    corrupted[size // 2] ^= 0x01
+    await store.put(key, corrupted, metadata=meta.metadata)  # same digest metadata, one bit off
+    assert (await store.head(key)).metadata == meta.metadata
+    with pytest.raises(IntegrityError, match=key):
+        await transfer.download_file(key, str(tmp_path / "out.bin"))
+    transfer.close()
+    assert not (tmp_path / "out.bin").exists()
+
+
+# --------------------------------------------------------------------------------- conditional writes
+
+
+async def test_create_if_absent_race_between_two_writers(s3_uri: str, moto_server) -> None:
+    uri = parse_uri(s3_uri)
+    writers = [open_store(uri, small_config()) for _ in range(2)]
+    try:
+        for round_ in range(10):
+            key = uri.join(f"marker-{round_}")
+            results = await asyncio.gather(*(w.put(key, f"writer-{i}".encode(), if_absent=True)
+                                             for i, w in enumerate(writers)), return_exceptions=True)
+            winners = [i for i, r in enumerate(results) if r is None]
+            assert len(winners) == 1, results
+            loser = results[1 - winners[0]]
+            assert isinstance(loser, AlreadyExistsError) and key in one_line(loser)
+            body = raw_client(moto_server).get_object(Bucket=BUCKET, Key=key)["Body"].read()
+            assert body == f"writer-{winners[0]}".encode()
+    finally:
+        for w in writers:
+            await w.close()
+
+
+class _DropIfNoneMatch(BaseHTTPRequestHandler):
+    """Forwards to moto without the If-None-Match header: an S3 server lacking conditional writes."""
+
+    protocol_version = "HTTP/1.1"
+    upstream = ("127.0.0.1", 0)
+
+    def _forward(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        headers = {k: v for k, v in self.headers.items() if k.lower() != "if-none-match"}
+        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
+        try:
+            conn.request(self.command, self.path, body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            self.send_response(resp.status)
+            for k, v in resp.getheaders():
+                if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
+                    self.send_header(k, v)
+            self.send_header("Content-Length", resp.getheader("Content-Length", "0") if self.command == "HEAD"
+                             else str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+        finally:
+            conn.close()
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Quiet."""
+
+
+@pytest.fixture(scope="module")
+def no_conditional_endpoint(moto_server: MotoServer) -> Iterator[str]:
+    """Endpoint of a proxy in front of moto that drops If-None-Match."""
+    upstream = urlsplit(moto_server.endpoint)
+    handler = type("Handler", (_DropIfNoneMatch,), {"upstream": (upstream.hostname, upstream.port)})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+async def test_server_ignoring_if_none_match_is_detected(no_conditional_endpoint, moto_server,
+                                                         monkeypatch) -> None:
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    raw_client(moto_server).put_object(Bucket=BUCKET, Key=f"{prefix}/marker", Body=b"first")
+    store = open_store(f"s3://{BUCKET}/{prefix}?endpoint_override={no_conditional_endpoint}", small_config())
+    try:
+        with pytest.raises(StoreError, match="ignores If-None-Match") as info:
+            await store.put(f"{prefix}/marker", b"second", if_absent=True)
+        assert not isinstance(info.value, TransientStoreError)
+        with pytest.raises(StoreError, match="ignores If-None-Match"):
+            await store.put(f"{prefix}/fresh", b"x", if_absent=True)
+        assert [m.key async for m in store.list(prefix)] == [f"{prefix}/marker"]  # probe object removed
+        assert await store.get_range(f"{prefix}/marker", 0, 10) == b"first"  # nothing overwritten
+    finally:
+        await store.close()
+    monkeypatch.setenv("FASTCKPT_S3_IF_ABSENT", "best-effort")
+    store = open_store(f"s3://{BUCKET}/{prefix}?endpoint_override={no_conditional_endpoint}", small_config())
+    try:
+        with pytest.raises(AlreadyExistsError):
+            await store.put(f"{prefix}/marker", b"second", if_absent=True)
+        await store.put(f"{prefix}/fresh", b"x", if_absent=True)
+        with pytest.raises(AlreadyExistsError):
+            await store.put(f"{prefix}/fresh", b"y", if_absent=True)
+        assert await store.get_range(f"{prefix}/fresh", 0, 10) == b"x"
+    finally:
+        await store.close()
+
+
+# --------------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(("text", "options", "env", "expected"), [
+    ("uri", {"endpoint_override": "http://h:1"}, {"AWS_ENDPOINT_URL_S3": "http://e:2"}, "http://h:1"),
+    ("scheme", {"endpoint_override": "h:1", "scheme": "http"}, {}, "http://h:1"),
+    ("https default", {"endpoint_override": "h:1/"}, {}, "https://h:1"),
+    ("s3 env first", {}, {"AWS_ENDPOINT_URL_S3": "http://e:2", "AWS_ENDPOINT_URL": "http://g:3"}, "http://e:2"),
+    ("global env", {}, {"AWS_ENDPOINT_URL": "http://g:3"}, "http://g:3"),
+    ("ignored env", {}, {"AWS_ENDPOINT_URL": "http://g:3", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS": "true"}, None),
+    ("aws", {}, {}, None),
+])
+def test_resolve_endpoint(text: str, options: dict, env: dict, expected: str | None) -> None:
+    assert resolve_endpoint(options, env) == expected
+
+
+def test_part_size_scales_to_s3_limits() -> None:
+    store = S3Store(BUCKET)
+    assert (store.min_part_size, store.max_parts, store.max_part_size) == (5 << 20, 10_000, 5 << 30)
+    assert not store.metadata_on_complete
+    small = plan_upload(100 << 20, TransferConfig(part_size=1 << 20), store)
+    assert small.part_size == 5 << 20  # raised to S3's minimum
+    huge = plan_upload(1 << 40, TransferConfig(part_size=32 << 20), store)  # 1 TiB
+    assert huge.count <= 10_000 and huge.part_size % (1 << 20) == 0 and huge.part_size > 32 << 20
+    with pytest.raises(ValueError, match="10000 parts"):
+        plan_upload(50 << 40, TransferConfig(), store)  # beyond 10,000 x 5 GiB
+
+
+@pytest.mark.parametrize("source", ["env_with_session_token", "profile_option", "AWS_PROFILE", "anonymous"])
+async def test_credential_sources(moto_server, monkeypatch, tmp_path, source: str) -> None:
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    uri = moto_server.uri(BUCKET, prefix)
+    if source == "env_with_session_token":
+        monkeypatch.setenv("AWS_SESSION_TOKEN", "session-token-123")
+    elif source == "anonymous":
+        uri += "&anonymous=true"
+    else:  # credentials and region from a profile in the shared files, none in the environment
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+        monkeypatch.delenv("AWS_DEFAULT_REGION")
+        (tmp_path / "credentials").write_text(
+            "[ckpt]\naws_access_key_id = profile-key\naws_secret_access_key = profile-secret\n")
+        (tmp_path / "config").write_text("[profile ckpt]\nregion = eu-west-3\n")
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+        if source == "AWS_PROFILE":
+            monkeypatch.setenv("AWS_PROFILE", "ckpt")
+        else:
+            uri += "&profile=ckpt"
+    store = open_store(uri, small_config())
+    try:
+        client = await store.client()
+        sent: list[dict] = []
+        client.meta.events.register("before-send.s3.GetObject", lambda request, **_: sent.append(
+            {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}))
+        if source == "anonymous":  # unsigned reads of a public object
+            raw_client(moto_server).put_object(Bucket=BUCKET, Key=f"{prefix}/obj", Body=b"payload",
+                                               ACL="public-read")
+        else:
+            await store.put(f"{prefix}/obj", b"payload")
+        assert await store.get_range(f"{prefix}/obj", 0, 100) == b"payload"
+    finally:
+        await store.close()
+    [headers] = sent
+    if source == "anonymous":
+        assert "authorization" not in headers
+    elif source == "env_with_session_token":
+        assert headers["x-amz-security-token"] == "session-token-123"
+        assert "Credential=testing-access-key/" in headers["authorization"]
+    else:
+        assert "Credential=profile-key/" in headers["authorization"]
+        assert client.meta.region_name == "eu-west-3"
+
+
+async def test_region_option_and_missing_profile(moto_server) -> None:
+    store = open_store(moto_server.uri(BUCKET, "p") + "&region=ap-south-1", small_config())
+    try:
+        assert (await store.client()).meta.region_name == "ap-south-1"
+    finally:
+        await store.close()
+    store = open_store(moto_server.uri(BUCKET, "p") + "&profile=no-such-profile", small_config())
+    try:
+        with pytest.raises(StoreError, match="AWS profile 'no-such-profile' not found") as info:
+            await store.head("p/x")
+        one_line(info.value)
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("how", ["uri_without_scheme", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "both_env"])
+async def test_endpoint_override_reaches_local_server(moto_server, monkeypatch, how: str) -> None:
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    uri = f"s3://{BUCKET}/{prefix}"
+    if how == "uri_without_scheme":
+        uri += f"?endpoint_override={moto_server.endpoint.removeprefix('http://')}&scheme=http"
+    elif how == "both_env":  # the S3-specific variable wins over the global one
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_server.endpoint)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    else:
+        monkeypatch.setenv(how, moto_server.endpoint)
+    store = open_store(uri, small_config())
+    try:
+        assert isinstance(store, S3Store)
+        assert store.endpoint_url == moto_server.endpoint and store.addressing_style == "path"
+        await store.put(f"{prefix}/hello", b"hi", metadata={"k": "v"})
+    finally:
+        await store.close()
+    raw = raw_client(moto_server).get_object(Bucket=BUCKET, Key=f"{prefix}/hello")
+    assert raw["Body"].read() == b"hi" and raw["Metadata"] == {"k": "v"}
+
+
+def test_sync_api_with_env_endpoint(moto_server, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
+    path, data = make_file(tmp_path, "model.bin", PART + 17)
+    dst = f"s3://{BUCKET}/t-{uuid.uuid4().hex[:12]}/model.bin"
+    [up] = fastckpt.upload(path, dst, config=small_config())
+    [down] = fastckpt.download(dst, tmp_path / "back.bin", config=small_config())
+    assert (tmp_path / "back.bin").read_bytes() == data and up.digest == down.digest
+
+
+@pytest.mark.parametrize("knobs", ["defaults", "botocore_checksums_and_expect"])
+async def test_client_settings_and_knobs(s3_uri: str, monkeypatch, tmp_path, knobs: str) -> None:
+    if knobs != "defaults":
+        monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "WHEN_SUPPORTED")
+        monkeypatch.setenv("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_supported")
+        monkeypatch.setenv("FASTCKPT_S3_PAYLOAD_SIGNING", "auto")
+        monkeypatch.setenv("FASTCKPT_S3_EXPECT_CONTINUE", "1")
+    uri = parse_uri(s3_uri)
+    store = open_store(uri, small_config())
+    try:
+        client = await store.client()
+        config = client.meta.config
+        assert config.retries["total_max_attempts"] == 1  # the engine retries, botocore does not
+        if knobs == "defaults":
+            assert config.request_checksum_calculation == "when_required"
+            assert config.response_checksum_validation == "when_required"
+            assert config.s3["payload_signing_enabled"] is False
+        else:
+            assert config.request_checksum_calculation == "when_supported"
+            assert config.response_checksum_validation == "when_supported"
+            assert "payload_signing_enabled" not in config.s3
+        sent: list[dict] = []
+        client.meta.events.register("before-send.s3.UploadPart", lambda request, **_: sent.append(
+            {k: v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}))
+        path, data = make_file(tmp_path, "knobs", PART + 5)
+        transfer = Transfer(store, small_config())
+        await transfer.upload_file(path, uri.join("knobs"))
+        await transfer.download_file(uri.join("knobs"), str(tmp_path / "knobs.out"))
+        transfer.close()
+        assert (tmp_path / "knobs.out").read_bytes() == data
+        big = [h for h in sent if int(h["Content-Length"]) == PART]
+        assert big and all(h.get("Expect") == "100-continue" for h in big)  # on by default
+        checksummed = [any(k.lower().startswith(("x-amz-checksum-", "x-amz-trailer")) for k in h) for h in sent]
+        assert checksummed == [knobs != "defaults"] * len(sent)
+        signed = {h["X-Amz-Content-SHA256"] for h in sent}
+        assert signed == ({"UNSIGNED-PAYLOAD"} if knobs == "defaults" else signed - {"UNSIGNED-PAYLOAD"})
+    finally:
+        await store.close()
+
+
+async def test_list_pagination_and_batched_deletes(s3) -> None:
+    store, uri = s3
+    client = await store.client()
+    calls = {"ListObjectsV2": 0, "DeleteObjects": 0}
+
+    def count(model, **_: object) -> None:
+        calls[model.name] += 1
+
+    client.meta.events.register("before-call.s3.ListObjectsV2", count)
+    client.meta.events.register("before-call.s3.DeleteObjects", count)
+    keys = [uri.join(f"p/{i:02d}") for i in range(7)]
+    await asyncio.gather(*(store.put(k, b"x") for k in keys))
+    store.page_size = 2
+    assert [m.key async for m in store.list(uri.join("p"))] == keys
+    assert calls["ListObjectsV2"] >= 5  # one probe for the exact key, then four pages of two
+    objects, dirs = await store.list_dir(uri.key)
+    assert objects == [] and dirs == [uri.join("p")]
+    absent = [uri.join(f"gone/{i}") for i in range(2500 - len(keys))]
+    await store.delete_many(keys + absent)
+    assert calls["DeleteObjects"] == 3  # 1000 keys per request
+    assert [m async for m in store.list(uri.key)] == []
+
+
+# --------------------------------------------------------------------------------- errors
+
+
+async def test_missing_bucket_is_named(moto_server, tmp_path) -> None:
+    bucket = f"no-such-{uuid.uuid4().hex[:8]}"
+    store = open_store(moto_server.uri(bucket, "p"), small_config())
+    expected = f"bucket {bucket!r} does not exist at endpoint {moto_server.endpoint}"
+    try:
+        for op in (lambda: store.head("p/x"), lambda: store.get_range("p/x", 0, 5), lambda: store.put("p/x", b"1"),
+                   lambda: store.create_multipart("p/x", PART), lambda: store.list_dir("p")):
+            with pytest.raises(ObjectNotFoundError) as info:
+                await op()
+            assert one_line(info.value) == expected
+        with pytest.raises(ObjectNotFoundError, match="does not exist at endpoint"):
+            [m async for m in store.list("p")]
+    finally:
+        await store.close()
+    path, _ = make_file(tmp_path, "f", 10)
+    with pytest.raises(ObjectNotFoundError) as info:
+        await fastckpt.upload_async(path, moto_server.uri(bucket, "p/f"), config=small_config())
+    assert one_line(info.value) == expected
+
+
+async def test_missing_key_is_not_a_missing_bucket(s3) -> None:
+    store, uri = s3
+    with pytest.raises(ObjectNotFoundError) as info:
+        await store.head(uri.join("nope"))
+    assert one_line(info.value) == f"s3://{BUCKET}/{uri.join('nope')} does not exist"
+
+
+@pytest.fixture(scope="module")
+def auth_server() -> Iterator[tuple[MotoServer, dict[str, tuple[str, str]]]]:
+    """A second moto server that checks signatures and IAM policies, with a writer and a reader user."""
+    server = start_moto()
+    try:
+        iam = boto3.client("iam", endpoint_url=server.endpoint, region_name="us-east-1")
+        keys = {}
+        for name, actions in {"writer": ["s3:*"], "reader": ["s3:GetObject", "s3:ListBucket"]}.items():
+            iam.create_user(UserName=name)
+            iam.put_user_policy(UserName=name, PolicyName="p", PolicyDocument=json.dumps({
+                "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": actions, "Resource": "*"}]}))
+            key = iam.create_access_key(UserName=name)["AccessKey"]
+            keys[name] = (key["AccessKeyId"], key["SecretAccessKey"])
+        server.create_bucket(BUCKET)
+        req = urllib.request.Request(f"{server.endpoint}/moto-api/reset-auth", data=b"0", method="POST",
+                                     headers={"Content-Type": "text/plain"})
+        with urllib.request.urlopen(req, timeout=30) as resp:  # from now on every request is authenticated
+            resp.read()
+        yield server, keys
+    finally:
+        stop_moto(server)
+
+
+@pytest.mark.parametrize(("who", "match"), [
+    ("wrong_secret", "SignatureDoesNotMatch"),
+    ("unknown_key", "InvalidAccessKeyId"),
+    ("read_only", "access denied to"),
+])
+async def test_bad_credentials_and_access_denied(auth_server, monkeypatch, caplog, tmp_path,
+                                                 who: str, match: str) -> None:
+    server, keys = auth_server
+    key_id, secret = {"wrong_secret": (keys["writer"][0], "wrongSecretKey0123456789abcdefghijklmnopq"),
+                      "unknown_key": ("AKIAUNKNOWNUNKNOWN00", keys["writer"][1]),
+                      "read_only": keys["reader"]}[who]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    caplog.set_level(logging.DEBUG)
+    path, _ = make_file(tmp_path, "f", PART + 1)
+    with pytest.raises(AccessDeniedError, match=match) as info:
+        await fastckpt.upload_async(path, server.uri(BUCKET, "denied/f"), config=small_config())
+    text = one_line(info.value)
+    assert "attempts" not in text  # failed at once, not after a stack of retries
+    assert secret not in "".join(traceback.format_exception(info.value)) and secret not in caplog.text
+    store = open_store(server.uri(BUCKET, "denied"), small_config())
+    try:
+        if who != "read_only":
+            with pytest.raises(AccessDeniedError) as info:
+                await store.head("denied/f")  # HEAD carries no error body: HTTP 403 only
+            assert secret not in one_line(info.value)
+    finally:
+        await store.close()
+
+
+async def test_good_credentials_on_auth_server(auth_server, monkeypatch) -> None:
+    server, keys = auth_server
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", keys["writer"][0])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", keys["writer"][1])
+    store = open_store(server.uri(BUCKET, "ok"), small_config())
+    try:
+        await store.put("ok/x", b"fine", if_absent=True)
+        assert await store.get_range("ok/x", 0, 10) == b"fine"
+    finally:
+        await store.close()
+
+
+async def test_unreachable_endpoint_fails_fast(tmp_path) -> None:
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    uri = f"s3://{BUCKET}/p/f?endpoint_override={endpoint}"
+    store = open_store(uri, small_config())
+    try:
+        with pytest.raises(StoreError) as info:
+            await store.head("p/f")
+        assert not isinstance(info.value, TransientStoreError)
+        assert one_line(info.value).startswith(f"cannot reach S3 endpoint {endpoint} for s3://{BUCKET}/p/f")
+    finally:
+        await store.close()
+    path, _ = make_file(tmp_path, "f", 10)
+    config = TransferConfig(retries=6, backoff_base=5.0)  # a retried connect would take minutes
+    with pytest.raises(StoreError, match="cannot reach S3 endpoint") as info:
+        await fastckpt.upload_async(path, uri, config=config)
+    assert not isinstance(info.value, TransientStoreError) and "attempts" not in one_line(info.value)
