@@ -28,6 +28,17 @@ _IO = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="fastckpt-i
 _io_started = threading.Event()
 
 
+def _reset_io_after_fork() -> None:
+    """A forked child inherits the executor but none of its threads: give it a fresh one."""
+    global _IO, _io_started
+    _IO = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="fastckpt-io")
+    _io_started = threading.Event()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_io_after_fork)
+
+
 def _start_io_threads() -> None:
     """Start the I/O threads now, from a side thread (best effort, never blocks the caller).
 

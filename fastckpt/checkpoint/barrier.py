@@ -1,0 +1,299 @@
+"""Rank barriers: how the ranks of one attempt meet before the commit.
+
+One interface, two collective steps, rank 0 as the root:
+
+- ``gather(rv, tag, payload)``: every rank hands in a payload (its manifest); the root gets them all
+  (index = rank), the other ranks return None at once.
+- ``broadcast(rv, tag, payload)``: the root announces a payload (the commit outcome); every rank
+  returns it.
+
+Implementations here: ``StoreBarrier`` (default; through the checkpoint's own storage) and
+``InProcessBarrier`` (ranks as tasks or threads of one process). ``barrier_torch.TorchBarrier`` and
+``barrier_ray.RayBarrier`` live in their own modules so that torch and ray stay optional.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import cast
+
+from ..config import TransferConfig
+from ..engine.retry import with_retries
+from ..engine.tasks import gather_all
+from ..errors import CheckpointError, ObjectNotFoundError
+from ..stores.base import Store
+from ..uri import join_key
+from .manifest import parse_rank_name, rank_key
+from .storage import read_object
+
+BROADCAST_NAME = "broadcast.json"
+
+
+class BarrierError(CheckpointError):
+    """The ranks could not meet (a rank died, the transport failed)."""
+
+
+class BarrierTimeoutError(BarrierError):
+    """Not every rank reached the barrier in time; ``missing`` lists the ranks that never arrived."""
+
+    def __init__(self, message: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+def describe_missing(missing: list[int], world_size: int) -> str:
+    """'ranks 3, 7 of 8 never arrived' (abbreviated when there are many)."""
+    shown = ", ".join(map(str, missing[:32])) + (f", ... ({len(missing)} in all)" if len(missing) > 32 else "")
+    return f"rank{'s' if len(missing) != 1 else ''} {shown} of {world_size} never arrived"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and as whom a rank meets the others: the checkpoint's metadata prefix in ``store``."""
+
+    store: Store
+    prefix: str
+    rank: int
+    world_size: int
+    config: TransferConfig = field(default_factory=TransferConfig)
+
+
+class Barrier(abc.ABC):
+    """All ranks of one attempt meet here; rank 0 is the root.
+
+    ``timeout`` bounds how long the root waits for the last rank (from its own arrival); the other
+    ranks wait up to twice as long for the root's broadcast, since the root may arrive after them.
+    """
+
+    stores_payloads: bool = False
+    """Whether ``gather`` itself writes each payload to ``rank_key(prefix, tag, rank)`` in the store."""
+    fresh: bool = True
+    """Whether a broadcast can never be one left over by an earlier, dead run (then ranks may agree
+    on an attempt id through it)."""
+
+    def __init__(self, timeout: float = 1800.0) -> None:
+        if timeout <= 0:
+            raise ValueError(f"barrier timeout must be positive, got {timeout}")
+        self.timeout = timeout
+
+    @abc.abstractmethod
+    async def gather(self, rv: Rendezvous, tag: str, payload: bytes) -> list[bytes] | None:
+        """Hand in ``payload``; the root returns every rank's payload in rank order, others None.
+
+        BarrierTimeoutError naming the missing ranks when not all arrive within ``timeout``.
+        """
+
+    @abc.abstractmethod
+    async def broadcast(self, rv: Rendezvous, tag: str, payload: bytes | None) -> bytes:
+        """The root sends ``payload``; every rank returns it."""
+
+    async def announce_failure(self, rv: Rendezvous, tag: str, payload: bytes) -> None:
+        """Root, after its ``gather`` failed: tell the ranks waiting in ``broadcast`` (best effort).
+
+        The default broadcasts ``payload``; a barrier whose failed gather already failed every rank
+        (a collective) does nothing.
+        """
+        await self.broadcast(rv, tag, payload)
+
+    def check_world(self, rv: Rendezvous) -> None:
+        """Raise when ``rv``'s rank / world size cannot work with this barrier (hook for subclasses)."""
+        if not 0 <= rv.rank < rv.world_size:
+            raise ValueError(f"rank {rv.rank} is outside world size {rv.world_size}")
+
+
+class _Backoff:
+    """Poll delays: exponential with jitter, capped, never past the deadline."""
+
+    def __init__(self, first: float, cap: float, timeout: float) -> None:
+        self.delay, self.cap = first, cap
+        self.deadline = time.monotonic() + timeout
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.deadline
+
+    async def sleep(self) -> None:
+        left = self.deadline - time.monotonic()
+        await asyncio.sleep(max(0.0, min(self.delay * random.uniform(0.8, 1.2), left)))
+        self.delay = min(self.delay * 1.5, self.cap)
+
+
+class StoreBarrier(Barrier):
+    """Barrier through the checkpoint's storage: needs nothing but the store all ranks write to.
+
+    Each rank writes its payload to ``{prefix}/{tag}/rank-NNNNN.json`` (for the commit that is the
+    rank manifest itself); the root polls a listing of ``{prefix}/{tag}/`` with backoff, reads each
+    payload as it appears, and announces the outcome in ``{prefix}/{tag}/broadcast.json``, which the
+    other ranks poll. It cannot tell a dead run's objects from the current run's, so ranks must agree
+    on the attempt id beforehand (``attempt=`` or the environment).
+    """
+
+    stores_payloads = True
+    fresh = False
+
+    def __init__(self, timeout: float = 1800.0, poll_interval: float = 0.05, max_poll_interval: float = 1.0,
+                 read_concurrency: int = 64) -> None:
+        super().__init__(timeout)
+        self.poll_interval, self.max_poll_interval = poll_interval, max_poll_interval
+        self.read_concurrency = read_concurrency
+
+    async def gather(self, rv: Rendezvous, tag: str, payload: bytes) -> list[bytes] | None:
+        await with_retries(lambda: rv.store.put(rank_key(rv.prefix, tag, rv.rank), payload), rv.config,
+                           f"barrier arrival of rank {rv.rank} at {join_key(rv.prefix, tag)}")
+        if rv.rank != 0:
+            return None
+        got: dict[int, bytes] = {0: payload}
+        limit = asyncio.Semaphore(self.read_concurrency)
+        backoff = _Backoff(self.poll_interval, self.max_poll_interval, self.timeout)
+
+        async def read(rank: int, size: int) -> None:
+            key = rank_key(rv.prefix, tag, rank)
+            async with limit:
+                got[rank] = await with_retries(lambda: rv.store.get_range(key, 0, size), rv.config,
+                                               f"read of {key}")
+
+        while True:
+            present = await self._arrived(rv, tag)
+            await gather_all(read(r, size) for r, size in present.items() if r not in got)
+            if len(got) == rv.world_size:
+                return [got[r] for r in range(rv.world_size)]
+            if backoff.expired():
+                missing = [r for r in range(rv.world_size) if r not in got]
+                raise BarrierTimeoutError(
+                    f"store barrier at {join_key(rv.prefix, tag)}: {describe_missing(missing, rv.world_size)} "
+                    f"within {self.timeout:g}s", missing)
+            await backoff.sleep()
+
+    async def _arrived(self, rv: Rendezvous, tag: str) -> dict[int, int]:
+        """{rank: payload size} of the payloads present under ``{prefix}/{tag}/``."""
+        base = join_key(rv.prefix, tag)
+
+        async def listing() -> dict[int, int]:
+            found = {}
+            async for meta in rv.store.list(base):
+                rank = parse_rank_name(meta.key.rsplit("/", 1)[-1])
+                if rank is not None and rank < rv.world_size and meta.key == rank_key(rv.prefix, tag, rank):
+                    found[rank] = meta.size
+            return found
+
+        return await with_retries(listing, rv.config, f"listing of {base}")
+
+    async def broadcast(self, rv: Rendezvous, tag: str, payload: bytes | None) -> bytes:
+        key = join_key(rv.prefix, tag, BROADCAST_NAME)
+        if rv.rank == 0:
+            if payload is None:
+                raise ValueError("the root must broadcast a payload")
+            await with_retries(lambda: rv.store.put(key, payload), rv.config, f"write of {key}")
+            return payload
+        backoff = _Backoff(self.poll_interval, self.max_poll_interval, 2 * self.timeout)
+        while True:
+            try:
+                return await read_object(rv.store, key, rv.config)
+            except ObjectNotFoundError:
+                pass
+            if backoff.expired():
+                present = await self._arrived(rv, tag)
+                missing = [r for r in range(rv.world_size) if r not in present]
+                detail = describe_missing(missing, rv.world_size) if missing else "all ranks arrived"
+                raise BarrierTimeoutError(
+                    f"store barrier at {join_key(rv.prefix, tag)}: rank 0 announced no outcome within "
+                    f"{2 * self.timeout:g}s ({detail}; rank 0 may have died)", missing or [0])
+            await backoff.sleep()
+
+
+class _Slot:
+    """One gather or broadcast in progress inside one process."""
+
+    def __init__(self) -> None:
+        self.values: dict[int, bytes] = {}
+        self.result: bytes | None = None
+        self.done = False
+        self.readers = 0
+        self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+
+class InProcessBarrier(Barrier):
+    """Barrier for ranks running in one process (asyncio tasks, or threads with their own loops).
+
+    Share one instance between the ranks' writers.
+    """
+
+    def __init__(self, timeout: float = 600.0) -> None:
+        super().__init__(timeout)
+        self._lock = threading.Lock()
+        self._slots: dict[tuple[str, str, str], _Slot] = {}
+
+    def _slot(self, key: tuple[str, str, str]) -> _Slot:
+        return self._slots.setdefault(key, _Slot())
+
+    @staticmethod
+    def _wake(slot: _Slot) -> None:
+        slot.done = True
+        for loop, fut in slot.waiters:
+            loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+
+    async def _wait(self, slot: _Slot, timeout: float) -> bool:
+        """Wait until ``slot`` is done; False on timeout."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            if slot.done:
+                return True
+            slot.waiters.append((loop, fut))
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            with self._lock:
+                slot.waiters.remove((loop, fut))
+
+    async def gather(self, rv: Rendezvous, tag: str, payload: bytes) -> list[bytes] | None:
+        key = (rv.prefix, tag, "gather")
+        with self._lock:
+            slot = self._slot(key)
+            slot.values[rv.rank] = payload
+            if len(slot.values) == rv.world_size:
+                self._wake(slot)
+        if rv.rank != 0:
+            return None
+        arrived = await self._wait(slot, self.timeout)
+        with self._lock:
+            self._slots.pop(key, None)
+            if not arrived:
+                missing = [r for r in range(rv.world_size) if r not in slot.values]
+                raise BarrierTimeoutError(
+                    f"in-process barrier {tag!r}: {describe_missing(missing, rv.world_size)} "
+                    f"within {self.timeout:g}s", missing)
+            return [slot.values[r] for r in range(rv.world_size)]
+
+    async def broadcast(self, rv: Rendezvous, tag: str, payload: bytes | None) -> bytes:
+        key = (rv.prefix, tag, "broadcast")
+        with self._lock:
+            slot = self._slot(key)
+            if rv.rank == 0:
+                if payload is None:
+                    raise ValueError("the root must broadcast a payload")
+                slot.result = payload
+                if rv.world_size == 1:
+                    self._slots.pop(key, None)
+                self._wake(slot)
+                return payload
+        if not await self._wait(slot, 2 * self.timeout):
+            raise BarrierTimeoutError(f"in-process barrier {tag!r}: rank 0 announced nothing within "
+                                      f"{2 * self.timeout:g}s", [0])
+        with self._lock:
+            slot.readers += 1
+            if slot.readers == rv.world_size - 1:
+                self._slots.pop(key, None)
+            return cast(bytes, slot.result)
+
+
+def default_barrier() -> Barrier:
+    """The barrier used when none is given: through the store."""
+    return StoreBarrier()

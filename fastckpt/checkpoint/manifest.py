@@ -1,0 +1,200 @@
+"""On-storage formats of the commit protocol: per-rank manifests and the commit marker.
+
+Layout of one checkpoint (DESIGN.md, "The commit protocol")::
+
+    {checkpoint}/...data files of any ranks...
+    {checkpoint}/.fastckpt/{attempt}/rank-00003.json   per-rank manifest
+    {checkpoint}/.fastckpt/COMMITTED                   commit marker
+
+The marker names the attempt and the XXH3-128 digest of every rank manifest of that attempt, so a
+reader trusts exactly those manifests and nothing a dead attempt left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+
+import xxhash
+
+from ..errors import CheckpointError
+from ..integrity import DIGEST_ALGO, FileDigest
+from ..uri import join_key
+
+FORMAT_VERSION = 1
+META_DIR = ".fastckpt"
+MARKER = "COMMITTED"
+_MANIFEST_RE = re.compile(r"^rank-(\d{5,})\.json$")
+_ATTEMPT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def meta_prefix(checkpoint_key: str) -> str:
+    """Key of the checkpoint's metadata directory."""
+    return join_key(checkpoint_key, META_DIR)
+
+
+def marker_key(checkpoint_key: str) -> str:
+    """Key of the commit marker."""
+    return join_key(checkpoint_key, META_DIR, MARKER)
+
+
+def rank_key(meta: str, attempt: str, rank: int) -> str:
+    """Key of ``rank``'s manifest of ``attempt`` below the metadata directory ``meta``."""
+    return join_key(meta, attempt, f"rank-{rank:05d}.json")
+
+
+def parse_rank_name(name: str) -> int | None:
+    """The rank of a manifest file name (``rank-00003.json`` -> 3), else None."""
+    match = _MANIFEST_RE.match(name)
+    return int(match[1]) if match else None
+
+
+def check_attempt(attempt: str) -> str:
+    """``attempt`` if it is usable as one key component, else ValueError."""
+    if not _ATTEMPT_RE.match(attempt) or attempt == MARKER:
+        raise ValueError(f"invalid attempt id {attempt!r}: use 1-128 of A-Z a-z 0-9 . _ - (not starting with . _ -)")
+    return attempt
+
+
+def check_name(name: str) -> str:
+    """A file name relative to the checkpoint, normalised; ValueError when unsafe or reserved."""
+    parts = [p for p in name.replace("\\", "/").split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts):
+        raise ValueError(f"invalid checkpoint file name {name!r}: empty, or a '.' or '..' path component")
+    if parts[0] == META_DIR:
+        raise ValueError(f"invalid checkpoint file name {name!r}: {META_DIR}/ is reserved for fastckpt")
+    return "/".join(parts)
+
+
+def digest_of(data: bytes) -> str:
+    """Hex XXH3-128 of a manifest's bytes (what the marker records)."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One data file of a rank: its name relative to the checkpoint and its digest."""
+
+    name: str
+    digest: FileDigest
+
+
+@dataclass(frozen=True)
+class RankManifest:
+    """What one rank wrote in one attempt, or why it failed (``error``)."""
+
+    attempt: str
+    rank: int
+    world_size: int
+    files: tuple[FileEntry, ...] = ()
+    error: str | None = None
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def bytes(self) -> int:
+        """Total size of the rank's files."""
+        return sum(f.digest.size for f in self.files)
+
+    def encode(self) -> bytes:
+        """Canonical JSON bytes."""
+        doc: dict[str, object] = {
+            "format": FORMAT_VERSION, "kind": "rank-manifest", "attempt": self.attempt, "rank": self.rank,
+            "world_size": self.world_size, "created_at": self.created_at, "digest_algo": DIGEST_ALGO,
+            "files": [{"name": f.name, "size": f.digest.size, "chunk_size": f.digest.chunk_size,
+                       "digest": f.digest.digest} for f in self.files],
+        }
+        if self.error is not None:
+            doc["error"] = self.error
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes, what: str) -> RankManifest:
+        """Parse manifest bytes; CheckpointError naming ``what`` when malformed."""
+        doc = _load_json(data, what, "rank-manifest")
+        try:
+            files = tuple(FileEntry(check_name(f["name"]),
+                                    FileDigest(int(f["size"]), int(f["chunk_size"]), str(f["digest"])))
+                          for f in doc["files"])
+            return cls(str(doc["attempt"]), int(doc["rank"]), int(doc["world_size"]), files,
+                       doc.get("error"), float(doc["created_at"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{what}: malformed manifest ({exc!r})") from None
+
+
+@dataclass(frozen=True)
+class CommitMarker:
+    """The commit marker: which attempt is the checkpoint and the digest of each of its manifests."""
+
+    attempt: str
+    world_size: int
+    manifests: tuple[str, ...]
+    files: int
+    bytes: int
+    committed_at: float = field(default_factory=time.time)
+
+    def encode(self) -> bytes:
+        """Canonical JSON bytes."""
+        return json.dumps({
+            "format": FORMAT_VERSION, "kind": "commit", "attempt": self.attempt, "world_size": self.world_size,
+            "digest_algo": DIGEST_ALGO, "manifests": list(self.manifests), "files": self.files,
+            "bytes": self.bytes, "committed_at": self.committed_at,
+        }, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes, what: str) -> CommitMarker:
+        """Parse marker bytes; CheckpointError naming ``what`` when malformed."""
+        doc = _load_json(data, what, "commit")
+        try:
+            marker = cls(check_attempt(str(doc["attempt"])), int(doc["world_size"]),
+                         tuple(str(d) for d in doc["manifests"]), int(doc["files"]), int(doc["bytes"]),
+                         float(doc["committed_at"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{what}: malformed commit marker ({exc!r})") from None
+        if len(marker.manifests) != marker.world_size:
+            raise CheckpointError(f"{what}: marker lists {len(marker.manifests)} manifests for "
+                                  f"world size {marker.world_size}")
+        return marker
+
+
+def _load_json(data: bytes, what: str, kind: str) -> dict:
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{what}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("kind") != kind:
+        raise CheckpointError(f"{what}: not a fastckpt {kind} document")
+    if doc.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{what}: format version {doc.get('format')!r} is not supported "
+                              f"(this fastckpt reads {FORMAT_VERSION})")
+    if doc.get("digest_algo") != DIGEST_ALGO:
+        raise CheckpointError(f"{what}: digest algorithm {doc.get('digest_algo')!r} is not supported")
+    return doc
+
+
+def build_marker(payloads: list[bytes], attempt: str, world_size: int, where: str) -> CommitMarker:
+    """The marker that commits the manifests ``payloads`` (index = rank) of ``attempt``.
+
+    CheckpointError when a rank failed, belongs to another attempt or world size, or when two ranks
+    wrote the same file name.
+    """
+    manifests = [RankManifest.decode(p, f"{where}: manifest of rank {r}") for r, p in enumerate(payloads)]
+    failed = [m for m in manifests if m.error is not None]
+    if failed:
+        raise CheckpointError(f"{where}: " + "; ".join(f"rank {m.rank} failed: {m.error}" for m in failed))
+    owners: dict[str, int] = {}
+    clashes: list[str] = []
+    for rank, m in enumerate(manifests):
+        if m.rank != rank or m.attempt != attempt or m.world_size != world_size:
+            raise CheckpointError(f"{where}: manifest of rank {rank} is for rank {m.rank} of attempt "
+                                  f"{m.attempt!r} (world size {m.world_size}), expected attempt {attempt!r} "
+                                  f"(world size {world_size})")
+        for f in m.files:
+            if f.name in owners:
+                clashes.append(f"{f.name!r} by ranks {owners[f.name]} and {rank}")
+            owners.setdefault(f.name, rank)
+    if clashes:
+        raise CheckpointError(f"{where}: the same file was written by two ranks: " + ", ".join(clashes))
+    return CommitMarker(attempt, world_size, tuple(digest_of(p) for p in payloads),
+                        sum(len(m.files) for m in manifests), sum(m.bytes for m in manifests))

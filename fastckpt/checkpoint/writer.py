@@ -1,0 +1,378 @@
+"""CheckpointWriter: every rank writes its files, then all commit together or not at all.
+
+On leaving the block without an exception, each rank uploads its manifest (files, sizes, chunk size,
+digests) for the attempt, the barrier gathers them at rank 0, rank 0 checks them (no rank failed, no
+file written twice) and creates the commit marker with create-if-absent, and announces the outcome to
+every rank. Leaving with an exception hands a failure record to the barrier instead: nothing commits,
+and the other ranks raise CheckpointError naming the failed rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import cast
+
+from .._loop import BackgroundLoop
+from ..api import local_files
+from ..config import TransferConfig
+from ..engine.progress import ProgressCallback
+from ..engine.retry import with_retries
+from ..engine.transfer import FileResult, Transfer
+from ..errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
+from ..stores import open_store
+from ..stores.base import Store
+from ..uri import StorageURI, parse_uri
+from .barrier import Barrier, BarrierError, BarrierTimeoutError, Rendezvous, default_barrier
+from .manifest import (
+    CommitMarker,
+    FileEntry,
+    RankManifest,
+    build_marker,
+    check_attempt,
+    check_name,
+    marker_key,
+    meta_prefix,
+    rank_key,
+)
+from .storage import read_object
+
+log = logging.getLogger("fastckpt")
+ATTEMPT_TAG = "attempt"
+
+
+def attempt_from_env(env: Mapping[str, str] | None = None) -> str | None:
+    """An attempt id shared by all ranks of one job run, from the environment, else None.
+
+    ``FASTCKPT_ATTEMPT`` as is; else torchelastic's run id plus its restart count; else SLURM's job
+    id plus its restart count. (torchrun's default run id ``none`` is not unique and is ignored.)
+    """
+    env = os.environ if env is None else env
+    if env.get("FASTCKPT_ATTEMPT"):
+        return check_attempt(env["FASTCKPT_ATTEMPT"])
+    run = env.get("TORCHELASTIC_RUN_ID", "")
+    if run and run != "none":
+        return _safe(f"{run}-r{env.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    if env.get("SLURM_JOB_ID"):
+        return _safe(f"slurm-{env['SLURM_JOB_ID']}-r{env.get('SLURM_RESTART_COUNT', '0')}")
+    return None
+
+
+def _safe(text: str) -> str:
+    return check_attempt(re.sub(r"[^A-Za-z0-9._-]", "-", text).lstrip("._-")[:128] or "attempt")
+
+
+def _dir_files(src: str) -> list[tuple[str, str]]:
+    if not os.path.isdir(src):
+        raise NotADirectoryError(f"source {src} is not a directory")
+    return local_files(src)
+
+
+def new_attempt_id() -> str:
+    """A fresh, unique attempt id (time + random)."""
+    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(6)}"
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """What a successful commit produced."""
+
+    uri: str
+    attempt: str
+    world_size: int
+    files: int
+    bytes: int
+    committed_at: float
+
+
+class CheckpointWriter:
+    """Writes one rank's share of a checkpoint; use ``async with`` on every rank of the job.
+
+    ``uri`` is the checkpoint itself (``s3://bucket/run/step-100``). ``barrier`` defaults to a
+    ``StoreBarrier``. ``attempt`` names this run of the job and must be the same on every rank and
+    new on every restart; by default it comes from the environment (``attempt_from_env``), else rank
+    0 draws one and sends it through the barrier (not possible with the store barrier, which needs
+    it given). ``store`` reuses an open store (not closed here).
+    """
+
+    def __init__(
+        self,
+        uri: str | StorageURI,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        barrier: Barrier | None = None,
+        attempt: str | None = None,
+        config: TransferConfig | None = None,
+        store: Store | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> None:
+        self.uri = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
+        if self.uri.backend == "delegate":
+            raise ValueError(f"{self.uri.raw!r}: scheme {self.uri.scheme!r} is not a fastckpt backend")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} / world size {world_size}: need 0 <= rank < world_size")
+        self.rank, self.world_size = rank, world_size
+        self.barrier = barrier or default_barrier()
+        self.config = config or TransferConfig.from_env()
+        self._attempt = check_attempt(attempt) if attempt else None
+        self._store, self._own_store = store, store is None
+        self._progress = progress
+        self._transfer: Transfer | None = None
+        self._entries: dict[str, FileEntry | None] = {}
+        self._closed = False
+        self.result: CommitResult | None = None
+        """Set on every rank once the checkpoint is committed."""
+
+    @property
+    def attempt(self) -> str:
+        """The attempt id (known once the block is entered)."""
+        if self._attempt is None:
+            raise CheckpointError("the attempt id is agreed on entering the writer's block")
+        return self._attempt
+
+    @property
+    def _rv(self) -> Rendezvous:
+        if self._store is None:
+            raise CheckpointError("CheckpointWriter is used outside its 'async with' block")
+        return Rendezvous(self._store, meta_prefix(self.uri.key), self.rank, self.world_size, self.config)
+
+    async def __aenter__(self) -> CheckpointWriter:
+        if self._transfer is not None or self._closed:
+            raise CheckpointError("a CheckpointWriter writes one checkpoint once; create a new one")
+        if self._store is None:
+            self._store = open_store(self.uri, self.config)
+        try:
+            self.barrier.check_world(self._rv)
+            await self._refuse_committed()
+            self._attempt = self._attempt or attempt_from_env() or await self._agree_attempt()
+            self._transfer = Transfer(self._store, self.config, self._progress)
+        except BaseException:
+            await self._close()
+            raise
+        return self
+
+    async def _refuse_committed(self) -> None:
+        key = marker_key(self.uri.key)
+        try:
+            await with_retries(lambda: self._rv.store.head(key), self.config, f"check of {key}")
+        except ObjectNotFoundError:
+            return
+        raise CheckpointError(f"checkpoint {self.uri.raw} is already committed; refusing to write it again")
+
+    async def _agree_attempt(self) -> str:
+        if self.world_size == 1:
+            return new_attempt_id()
+        if not self.barrier.fresh:
+            raise CheckpointError(
+                f"{type(self.barrier).__name__} cannot agree on an attempt id for {self.uri.raw}: pass attempt= "
+                "(the same on every rank, new for every run of the job) or set FASTCKPT_ATTEMPT")
+        proposal = new_attempt_id().encode() if self.rank == 0 else None
+        return check_attempt((await self.barrier.broadcast(self._rv, ATTEMPT_TAG, proposal)).decode())
+
+    def _active(self) -> Transfer:
+        if self._transfer is None or self._closed:
+            raise CheckpointError("CheckpointWriter is used outside its 'async with' block")
+        return self._transfer
+
+    def _reserve(self, name: str) -> str:
+        name = check_name(name)
+        if name in self._entries:
+            raise CheckpointError(f"rank {self.rank} writes {name!r} twice to {self.uri.raw}")
+        self._entries[name] = None
+        return name
+
+    async def put_file(self, path: str | os.PathLike[str], name: str | None = None) -> FileResult:
+        """Upload local file ``path`` as ``name`` (default: its base name) inside the checkpoint."""
+        return (await self._put([(os.fspath(path), name or os.path.basename(os.fspath(path)))]))[0]
+
+    async def put_dir(self, path: str | os.PathLike[str], prefix: str = "") -> list[FileResult]:
+        """Upload every file below local directory ``path``, named ``prefix/relative path``."""
+        src, base = os.fspath(path), prefix.strip("/")
+        files = await asyncio.to_thread(_dir_files, src)
+        return await self._put([(p, f"{base}/{rel}" if base else rel) for p, rel in files])
+
+    async def _put(self, pairs: list[tuple[str, str]]) -> list[FileResult]:
+        transfer = self._active()
+        names = []
+        try:
+            for _, name in pairs:
+                names.append(self._reserve(name))
+            keys = [self.uri.join(n) for n in names]
+            results = await transfer.upload_files([(p, k) for (p, _), k in zip(pairs, keys, strict=True)])
+        except BaseException:
+            for n in names:
+                if self._entries.get(n) is None:
+                    self._entries.pop(n, None)
+            raise
+        for name, res in zip(names, results, strict=True):
+            self._entries[name] = FileEntry(name, res.digest)
+        return results
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        try:
+            if exc is None:
+                await self._commit()
+            elif isinstance(exc, Exception):
+                await self._report_failure(exc)
+        finally:
+            await self._close()
+
+    async def _close(self) -> None:
+        self._closed = True
+        if self._transfer is not None:
+            self._transfer.close()
+        if self._own_store and self._store is not None:
+            await self._store.close()
+
+    def _manifest(self, error: str | None = None) -> bytes:
+        files = tuple(e for _, e in sorted(self._entries.items()) if e is not None) if error is None else ()
+        return RankManifest(self.attempt, self.rank, self.world_size, files, error).encode()
+
+    async def _commit(self) -> None:
+        rv, attempt = self._rv, self.attempt
+        if any(e is None for e in self._entries.values()):
+            raise CheckpointError(f"rank {self.rank} left the block with uploads still running")
+        data = self._manifest()
+        if not self.barrier.stores_payloads:
+            key = rank_key(rv.prefix, attempt, self.rank)
+            await with_retries(lambda: rv.store.put(key, data), self.config, f"write of manifest {key}")
+        if self.rank == 0:
+            outcome, error = await self._root_decide(await self._root_gather(data))
+            await self.barrier.broadcast(rv, attempt, json.dumps(outcome).encode())
+            if error is not None:
+                raise error
+        else:
+            await self.barrier.gather(rv, attempt, data)
+            try:
+                outcome = json.loads(await self.barrier.broadcast(rv, attempt, None))
+            except BarrierError:
+                found = await self._outcome_from_marker()
+                if found is None:
+                    raise
+                outcome = found
+        if not outcome["ok"]:
+            if outcome.get("missing"):
+                raise BarrierTimeoutError(outcome["error"], outcome["missing"])
+            raise CheckpointError(f"checkpoint {self.uri.raw} was not committed: {outcome['error']}")
+        self.result = CommitResult(self.uri.raw, attempt, self.world_size, outcome["files"], outcome["bytes"],
+                                   outcome["committed_at"])
+
+    async def _root_gather(self, data: bytes) -> list[bytes]:
+        """Root: gather the payloads; when that fails, tell the other ranks (if the barrier can) and raise."""
+        try:
+            return cast(list[bytes], await self.barrier.gather(self._rv, self.attempt, data))
+        except Exception as exc:
+            outcome = {"ok": False, "error": str(exc), "missing": getattr(exc, "missing", None)}
+            try:
+                await self.barrier.announce_failure(self._rv, self.attempt, json.dumps(outcome).encode())
+            except Exception as err:  # the original error is what the caller must see
+                log.warning("could not tell the other ranks of %s about the failure: %s", self.uri.raw, err)
+            raise
+
+    async def _root_decide(self, payloads: list[bytes]) -> tuple[dict, Exception | None]:
+        """Root: check the manifests and create the marker. Returns the outcome every rank receives,
+        and the error to raise here after announcing it."""
+        try:
+            marker = build_marker(payloads, self.attempt, self.world_size, f"checkpoint {self.uri.raw}")
+            await self._create_marker(marker)
+        except CheckpointError as exc:
+            return {"ok": False, "error": str(exc)}, None
+        except Exception as exc:  # re-raised by the caller once the others know
+            return {"ok": False, "error": f"rank 0 could not create the commit marker: {exc}"}, exc
+        return {"ok": True, "files": marker.files, "bytes": marker.bytes, "committed_at": marker.committed_at}, None
+
+    async def _create_marker(self, marker: CommitMarker) -> None:
+        key, data = marker_key(self.uri.key), marker.encode()
+        store = self._rv.store
+        try:
+            await with_retries(lambda: store.put(key, data, if_absent=True), self.config, f"commit of {key}")
+        except AlreadyExistsError:
+            if await read_object(store, key, self.config) != data:  # not our own write, retried after a lost reply
+                raise CheckpointError(f"checkpoint {self.uri.raw} was committed by another writer meanwhile") from None
+
+    async def _outcome_from_marker(self) -> dict[str, object] | None:
+        """Non-root whose wait for the root timed out: the outcome, if the root did commit our attempt."""
+        key = marker_key(self.uri.key)
+        try:
+            marker = CommitMarker.decode(await read_object(self._rv.store, key, self.config), key)
+        except (ObjectNotFoundError, CheckpointError):
+            return None
+        if marker.attempt != self.attempt:
+            return None
+        return {"ok": True, "files": marker.files, "bytes": marker.bytes, "committed_at": marker.committed_at}
+
+    async def _report_failure(self, exc: Exception) -> None:
+        """Hand a failure record to the barrier so that nothing commits and the others learn why."""
+        if self._attempt is None:
+            return
+        try:
+            data = self._manifest(f"{type(exc).__name__}: {exc}")
+            payloads = await self.barrier.gather(self._rv, self.attempt, data)
+            if payloads is not None:  # the root: tell the others why nothing commits
+                try:
+                    build_marker(payloads, self.attempt, self.world_size, f"checkpoint {self.uri.raw}")
+                    why = "rank 0 failed"
+                except CheckpointError as err:
+                    why = str(err)
+                await self.barrier.broadcast(self._rv, self.attempt, json.dumps({"ok": False, "error": why}).encode())
+        except Exception as err:  # the caller's exception is what propagates
+            log.warning("rank %d could not report its failure to the barrier of %s: %s", self.rank, self.uri.raw, err)
+
+
+class SyncCheckpointWriter:
+    """Sync twin of ``CheckpointWriter`` (``with`` block, blocking ``put_file`` / ``put_dir``).
+
+    Runs on fastckpt's background event loop, so it also works on threads that run a loop.
+    """
+
+    def __init__(
+        self,
+        uri: str | StorageURI,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        barrier: Barrier | None = None,
+        attempt: str | None = None,
+        config: TransferConfig | None = None,
+        store: Store | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> None:
+        self._writer = CheckpointWriter(uri, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
+                                        config=config, store=store, progress=progress)
+        self._loop = BackgroundLoop.get()
+
+    @property
+    def attempt(self) -> str:
+        """The attempt id (known once the block is entered)."""
+        return self._writer.attempt
+
+    @property
+    def result(self) -> CommitResult | None:
+        """Set once the checkpoint is committed."""
+        return self._writer.result
+
+    def __enter__(self) -> SyncCheckpointWriter:
+        self._loop.run(self._writer.__aenter__())
+        return self
+
+    def put_file(self, path: str | os.PathLike[str], name: str | None = None) -> FileResult:
+        """Upload local file ``path`` as ``name`` inside the checkpoint."""
+        return self._loop.run(self._writer.put_file(path, name))
+
+    def put_dir(self, path: str | os.PathLike[str], prefix: str = "") -> list[FileResult]:
+        """Upload every file below local directory ``path``."""
+        return self._loop.run(self._writer.put_dir(path, prefix))
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._loop.run(self._writer.__aexit__(exc_type, exc, tb))
