@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 
 from . import __version__
 from ._loop import run_sync
 from .api import download, upload
+from .checkpoint import gc, list_checkpoints, verify
 from .config import TransferConfig, parse_size
 from .engine.progress import ProgressCallback
 from .engine.transfer import Transfer
@@ -65,6 +67,9 @@ def cmd_cp(args: argparse.Namespace) -> dict[str, object]:
 
 def cmd_ls(args: argparse.Namespace) -> dict[str, object]:
     uri = parse_uri(args.uri)
+    checkpoints = list_checkpoints(uri, config=_config(args))
+    if checkpoints:
+        return {"checkpoints": [c.__dict__ for c in checkpoints]}
 
     async def go() -> list[dict[str, object]]:
         async with open_store(uri) as store:
@@ -74,11 +79,19 @@ def cmd_ls(args: argparse.Namespace) -> dict[str, object]:
 
 
 def cmd_verify(args: argparse.Namespace) -> dict[str, object]:
-    uri = parse_uri(args.uri)
+    """A checkpoint (or every checkpoint below the URI) against its manifests, else each object's digest."""
+    uri, config = parse_uri(args.uri), _config(args)
+    checkpoints = list_checkpoints(uri, config=config)
+    if checkpoints:
+        reports = [verify(c.uri, allow_uncommitted=args.allow_uncommitted, config=config) for c in checkpoints
+                   if c.state != "uncommitted" or args.allow_uncommitted]
+        objects = [{"key": r.uri, "ok": r.ok, "files": r.files, "bytes": r.bytes,
+                    "error": "; ".join(f"{b.name}: {b.reason}" for b in r.bad)} for r in reports]
+        return {"ok": bool(reports) and all(r.ok for r in reports), "objects": objects}
 
     async def go() -> list[dict[str, object]]:
         async with open_store(uri) as store:
-            transfer = Transfer(store, _config(args))
+            transfer = Transfer(store, config)
             keys = [m.key async for m in store.list(uri.key)]
             out = []
             for key in keys:
@@ -92,6 +105,11 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, object]:
 
     results = run_sync(go())
     return {"ok": all(r["ok"] for r in results) and bool(results), "objects": results}
+
+
+def cmd_gc(args: argparse.Namespace) -> dict[str, object]:
+    report = gc(args.uri, args.older_than, args.dry_run, config=_config(args))
+    return report.__dict__
 
 
 def cmd_demo(args: argparse.Namespace) -> dict[str, object]:
@@ -110,7 +128,10 @@ def cmd_doctor(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _print_human(name: str, out: dict[str, object]) -> None:
-    if name == "ls":
+    if name == "ls" and "checkpoints" in out:
+        for c in out["checkpoints"]:  # type: ignore[union-attr]
+            print(f"{c['state']:<12} {c['files']:>6} files {c['bytes']:>16} bytes  {c['name']}")
+    elif name == "ls":
         for o in out["objects"]:  # type: ignore[union-attr]
             print(f"{o['size']:>14}  {o['key']}")
     elif name == "verify":
@@ -122,6 +143,14 @@ def _print_human(name: str, out: dict[str, object]) -> None:
         print(f"  upload   {out['upload_s']:.2f} s  {out['upload_mib_s']:.0f} MiB/s")
         print(f"  download {out['download_s']:.2f} s  {out['download_mib_s']:.0f} MiB/s")
         print(f"  digests verified: {out['verified']}")
+    elif name == "gc":
+        verb = "would remove" if out["dry_run"] else "removed"
+        print(f"{verb} {len(out['removed'])} object(s), {out['bytes']} bytes; "  # type: ignore[arg-type]
+              f"aborted {len(out['aborted_uploads'])} upload(s)")  # type: ignore[arg-type]
+        for key in out["removed"]:  # type: ignore[union-attr]
+            print(f"  {key}")
+        for line in out["skipped"]:  # type: ignore[union-attr]
+            print(f"  skipped {line}")
     elif name == "cp":
         print(f"copied {out['files']} file(s), {out['bytes']} bytes")
     else:
@@ -145,22 +174,43 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("dst")
     ls = sub.add_parser("ls", parents=[common], help="list objects below a URI")
     ls.add_argument("uri")
-    ver = sub.add_parser("verify", parents=[common], help="re-hash objects against their recorded digests")
+    ver = sub.add_parser("verify", parents=[common], help="re-hash a checkpoint or objects against their digests")
     ver.add_argument("uri")
+    ver.add_argument("--allow-uncommitted", action="store_true", help="also verify uncommitted checkpoints")
+    gcp = sub.add_parser("gc", parents=[common], help="remove uncommitted attempts and stale uploads")
+    gcp.add_argument("uri")
+    gcp.add_argument("--older-than", type=float, default=24 * 3600.0, help="seconds (default 86400)")
+    gcp.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     demo = sub.add_parser("demo", parents=[common], help="upload + download a synthetic checkpoint locally")
     demo.add_argument("--size", default="1GiB", help="checkpoint size (default 1GiB)")
     demo.add_argument("--dir", default=None, help="scratch directory (default: system temp)")
     sub.add_parser("doctor", parents=[common], help="show versions, accelerator and configuration")
+    sub.add_parser("bench", help="benchmarks against peers (see bench/run.py --help)", add_help=False)
     return p
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, object]]] = {
-    "cp": cmd_cp, "ls": cmd_ls, "verify": cmd_verify, "demo": cmd_demo, "doctor": cmd_doctor,
+    "cp": cmd_cp, "ls": cmd_ls, "verify": cmd_verify, "gc": cmd_gc, "demo": cmd_demo, "doctor": cmd_doctor,
 }
+
+
+def _bench(argv: list[str]) -> int:
+    """``fastckpt bench ...``: the benchmark suite in ``bench/`` of a source checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(root, "bench", "run.py")):
+        print("fastckpt bench: error: bench/ not found (benchmarks run from a source checkout)", file=sys.stderr)
+        return 1
+    sys.path.insert(0, root)
+    from bench.run import main as bench_main
+
+    return bench_main(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 1 failure)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         out = COMMANDS[args.command](args)

@@ -10,7 +10,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .api import download, upload
+from .checkpoint import SyncCheckpointWriter, download_checkpoint, verify
+from .checkpoint.writer import new_attempt_id
 from .config import TransferConfig
 from .engine.progress import ProgressCallback
 
@@ -69,20 +70,23 @@ class DemoResult:
 
 def run_demo(size: int, workdir: str | None = None, config: TransferConfig | None = None,
              progress: Callable[[str], ProgressCallback | None] | None = None) -> DemoResult:
-    """Generate, upload to a local directory store, download back and verify; clean up after."""
+    """Generate, commit as a checkpoint to a local directory store, download back and verify; clean up."""
     base = tempfile.mkdtemp(prefix="fastckpt-demo-", dir=workdir)
     try:
         src, restored = os.path.join(base, "checkpoint"), os.path.join(base, "restored")
         store = "file://" + os.path.join(base, "store", "experiments", "checkpoint_000001")
         files = make_checkpoint(src, size)
         t0 = time.perf_counter()
-        up = upload(src, store, config=config, progress=progress("upload") if progress else None)
+        with SyncCheckpointWriter(store, attempt=new_attempt_id(), config=config,
+                                  progress=progress("upload") if progress else None) as ckpt:
+            up = ckpt.put_dir(src)
         t1 = time.perf_counter()
-        down = download(store, restored, config=config, progress=progress("download") if progress else None)
+        down = download_checkpoint(store, restored, config=config,
+                                   progress=progress("download") if progress else None)
         t2 = time.perf_counter()
         sent = {os.path.relpath(r.path, src): r.digest for r in up}
         got = {os.path.relpath(r.path, restored): r.digest for r in down}
-        return DemoResult(len(files), sum(files.values()), t1 - t0, t2 - t1, sent == got and len(got) == len(files),
-                          store)
+        ok = sent == got and len(got) == len(files) and verify(store, config=config).ok
+        return DemoResult(len(files), sum(files.values()), t1 - t0, t2 - t1, ok, store)
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -55,3 +55,39 @@ def test_demo_and_doctor(tmp_path) -> None:
     assert os.listdir(tmp_path) == []  # scratch space cleaned up
     doc = json.loads(run("doctor", "--json").stdout)
     assert "native_accelerator" in doc and doc["version"]
+
+
+def test_checkpoint_ls_verify_gc(tmp_path) -> None:
+    import fastckpt
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(os.urandom(4096))
+    run_dir = tmp_path / "store" / "run"
+    with fastckpt.SyncCheckpointWriter(str(run_dir / "step-1"), attempt="a1") as ckpt:
+        ckpt.put_dir(str(src))
+    crashed = run_dir / "step-2" / ".fastckpt" / "dead-attempt"
+    crashed.mkdir(parents=True)
+    (crashed / "rank-00000.json").write_text("{}")
+    (run_dir / "step-2" / "partial.bin").write_bytes(b"partial")
+
+    listing = json.loads(run("ls", str(run_dir), "--json").stdout)["checkpoints"]
+    assert {c["name"]: c["state"] for c in listing} == {"step-1": "committed", "step-2": "uncommitted"}
+    assert run("verify", str(run_dir / "step-1")).returncode == 0
+
+    dry = json.loads(run("gc", str(run_dir), "--older-than", "0", "--dry-run", "--json").stdout)
+    assert dry["dry_run"] and any(k.endswith("partial.bin") for k in dry["removed"])
+    assert (run_dir / "step-2" / "partial.bin").exists()
+    done = run("gc", str(run_dir), "--older-than", "0")
+    assert done.returncode == 0, done.stderr
+    assert not (run_dir / "step-2" / "partial.bin").exists()
+    assert fastckpt.latest(str(run_dir)).endswith("step-1")
+
+    model = run_dir / "step-1" / "model.safetensors"
+    with open(model, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    bad = run("verify", str(run_dir / "step-1"))
+    assert bad.returncode == 1 and "model.safetensors" in bad.stdout
