@@ -1,13 +1,12 @@
 """Shared fixtures. Each module in tests/servers/ starts one real server and provides a backend.
 
-A server module sets ``BACKEND = "<name>"`` and defines a fixture ``<name>_uri`` returning the base URI
+A server module ``tests/servers/<name>.py`` (backend ``<name>``) defines a fixture ``<name>_uri`` returning the base URI
 of a fresh, empty prefix on that server (creating the bucket / container as needed). The conformance
 suite runs once per backend: memory, local, and every server module found.
 """
 
 from __future__ import annotations
 
-import importlib
 import pkgutil
 import uuid
 
@@ -17,9 +16,9 @@ from fastckpt import TransferConfig, open_store, parse_uri
 
 from . import servers
 
-SERVER_MODULES = [f"tests.servers.{m.name}" for m in pkgutil.iter_modules(servers.__path__)]
-pytest_plugins = SERVER_MODULES
-BACKENDS = ["memory", "local"] + [importlib.import_module(m).BACKEND for m in SERVER_MODULES]
+SERVER_BACKENDS = sorted(m.name for m in pkgutil.iter_modules(servers.__path__))
+pytest_plugins = [f"tests.servers.{name}" for name in SERVER_BACKENDS]
+BACKENDS = ["memory", "local", *SERVER_BACKENDS]
 
 
 def small_config(**overrides: object) -> TransferConfig:

@@ -22,7 +22,6 @@ import pytest
 
 from fastckpt.stores.azure import EMULATOR_ACCOUNT, EMULATOR_KEY
 
-BACKEND = "azure"
 CONTAINER = "fastckpt-test"
 _LOCAL_BIN = Path(__file__).resolve().parents[2] / ".ci" / "node" / "node_modules" / ".bin" / "azurite-blob"
 

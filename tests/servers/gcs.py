@@ -21,7 +21,6 @@ from typing import IO
 
 import pytest
 
-BACKEND = "gcs"
 BUCKET = "fastckpt-test"
 
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import pytest
 
-BACKEND = "s3"
 BUCKET = "fastckpt-test"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing-access-key", "AWS_SECRET_ACCESS_KEY": "testing-secret-key",
                "AWS_DEFAULT_REGION": "us-east-1"}
