@@ -55,11 +55,12 @@ class _Lease:
         view = await cm.__aenter__()
         return cls(cm, view)
 
-    async def release(self) -> None:
-        """Return the buffer to its pool (idempotent)."""
+    async def release(self, error: BaseException | None = None) -> None:
+        """Return the buffer to its pool (idempotent). After a failed request (``error``) the pool
+        discards it instead: a connection being torn down may still read from it."""
         cm, self._cm = self._cm, None
         if cm is not None:
-            await cm.__aexit__(None, None, None)
+            await cm.__aexit__(type(error) if error else None, error, None)
 
 
 async def _retry(op: Callable[[], Awaitable[T]], config: TransferConfig, what: str) -> T:
@@ -139,6 +140,7 @@ class StreamWriter:
             meta = dict(self.metadata)
             self._create = asyncio.ensure_future(_retry(
                 lambda: self.store.create_multipart(self.key, self.part_size, meta), self.config, self._what))
+            self._create.add_done_callback(_retrieve)  # its error reaches the caller through the parts
         task = asyncio.ensure_future(self._send(index, lease, nbytes))
         task.add_done_callback(self._part_done)
         self._parts.append(task)
@@ -146,16 +148,19 @@ class StreamWriter:
     async def _send(self, index: int, lease: _Lease, nbytes: int) -> tuple[PartInfo, bytes]:
         try:
             assert self._create is not None
-            mpu = await self._create
+            mpu = await asyncio.shield(self._create)  # cancelling a part must not cancel the creation
             view = lease.view[:nbytes]
             hashing = asyncio.ensure_future(off_loop(hash_chunk, view))
             try:
                 info = await _retry(lambda: mpu.put_part(index, view), self.config, f"{self._what} (part {index})")
             finally:
                 await asyncio.wait([hashing])  # a thread reads the buffer: keep it until the hash is done
-            return info, hashing.result()
-        finally:
-            await lease.release()
+            result = info, hashing.result()
+        except BaseException as exc:
+            await lease.release(exc)
+            raise
+        await lease.release()
+        return result
 
     def _part_done(self, task: asyncio.Task[tuple[PartInfo, bytes]]) -> None:
         if not task.cancelled() and task.exception() is not None and self._error is None:
@@ -186,8 +191,13 @@ class StreamWriter:
                 elif self._lease is not None:
                     await self._lease.release()
                     self._lease = None
-                results = await gather_all(self._parts)
-                await self._check()
+                # wait for every part, failed or not: cancelling a request in flight could leave a part
+                # on the server after the abort
+                settled = await asyncio.gather(*self._parts, return_exceptions=True)
+                for outcome in settled:
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                results = [r for r in settled if not isinstance(r, BaseException)]
                 assert self._create is not None
                 mpu = self._create.result()
                 digest = FileDigest(self.size, self.part_size, combine([d for _, d in results]))
@@ -197,7 +207,7 @@ class StreamWriter:
             await asyncio.shield(self.abort())
             raise
         self.state, self.digest = "closed", digest
-        _close_pool(self.pool)
+        self.pool.close()
         return digest
 
     async def _put_whole(self) -> FileDigest:
@@ -208,10 +218,13 @@ class StreamWriter:
             digest = FileDigest(len(view), self.part_size, combine(digests))
             meta = {**self.metadata, **self._digest_meta(digest)}
             await _retry(lambda: self.store.put(self.key, view, metadata=meta), self.config, self._what)
-            return digest
-        finally:
+        except BaseException as exc:
             if lease is not None:
-                await lease.release()
+                await lease.release(exc)
+            raise
+        if lease is not None:
+            await lease.release()
+        return digest
 
     def _digest_meta(self, digest: FileDigest) -> dict[str, str]:
         return digest.metadata() if self.config.digest_metadata else {}
@@ -221,8 +234,8 @@ class StreamWriter:
         if self.state != "open":
             return
         self.state = "aborted"
-        for task in self._parts:
-            task.cancel()
+        # Let parts in flight settle rather than cancel them: a request cancelled here may still
+        # complete on the server after the abort below and leave a part behind.
         await asyncio.gather(*self._parts, return_exceptions=True)
         if self._lease is not None:
             await self._lease.release()
@@ -233,7 +246,7 @@ class StreamWriter:
                 mpu = self._create.result()
                 with contextlib.suppress(Exception):
                     await _retry(mpu.abort, self.config, f"abort of {self._what}")
-        _close_pool(self.pool)
+        self.pool.close()
 
 
 class StreamReader:
@@ -252,26 +265,37 @@ class StreamReader:
         self._parts: dict[int, asyncio.Task[_Lease]] = {}
         self._digests: dict[int, list[bytes]] = {}
         self._closed = False
+        self._last = -2
+        self._ramp = 0
 
     def part_span(self, index: int) -> tuple[int, int]:
         """(offset, length) of part ``index``."""
         offset = index * self.part_size
         return offset, max(0, min(self.part_size, self.size - offset))
 
-    async def part(self, index: int) -> memoryview:
-        """Part ``index`` whole. Valid until the next ``part``/``close`` call: parts outside the window
-        from ``index`` on are released, the window is fetched ahead. Checks the digest before handing out the last part
-        when every part was read."""
+    async def part(self, index: int, wanted: int = 1) -> memoryview:
+        """Part ``index`` whole; ``wanted``: how many parts from ``index`` on the caller is about to read.
+
+        Parts are fetched ahead, in parallel: all the ``wanted`` ones, and a window that doubles with
+        each part read in order (up to ``max_in_flight``), so a small read costs one part. The view is
+        valid until the next ``part``/``close`` call (parts outside the window are released). When every
+        part was read, the digest is checked before the last part is handed out."""
         if self._closed:
             raise ValueError(f"reader of {self.key} is closed")
         if not 0 <= index < self.count:
             raise ValueError(f"{self.key}: part {index} out of range (0..{self.count - 1})")
-        last = min(self.count, index + self.window + 1)
+        if index == self._last + 1:
+            self._ramp = min(self.window, max(1, 2 * self._ramp))
+        elif index != self._last:
+            self._ramp = 0
+        self._last = index
+        last = min(self.count, index + 1 + min(self.window, max(wanted - 1, self._ramp)))
         for old in [i for i in self._parts if not index <= i < last]:
             await self._drop(old)
         for ahead in range(index, last):
             if ahead not in self._parts:
                 self._parts[ahead] = asyncio.ensure_future(self._fetch(ahead))
+                self._parts[ahead].add_done_callback(_retrieve)  # a part fetched ahead may never be read
         lease = await self._parts[index]
         if index == self.count - 1 and self.expected is not None and len(self._digests) == self.count:
             self.expected.check([d for i in range(self.count) for d in self._digests[i]],
@@ -289,8 +313,8 @@ class StreamReader:
                                      f"at {offset})")
             if self.expected is not None:
                 self._digests[index] = await off_loop(hash_chunks, lease.view, self.chunk_size)
-        except BaseException:
-            await lease.release()
+        except BaseException as exc:
+            await lease.release(exc)
             raise
         return lease
 
@@ -329,7 +353,7 @@ class StreamReader:
         self._closed = True
         for index in list(self._parts):
             await self._drop(index)
-        _close_pool(self.pool)
+        self.pool.close()
 
 
 async def copy_object(src: Store, src_key: str, dst: Store, dst_key: str, config: TransferConfig) -> FileDigest:
@@ -341,7 +365,7 @@ async def copy_object(src: Store, src_key: str, dst: Store, dst_key: str, config
     writer = StreamWriter(dst, dst_key, config, user)
     try:
         for index in range(reader.count):
-            await writer.write(await reader.part(index))
+            await writer.write(await reader.part(index, reader.count - index))
         return await writer.close()
     except BaseException:
         await writer.abort()
@@ -350,7 +374,7 @@ async def copy_object(src: Store, src_key: str, dst: Store, dst_key: str, config
         await reader.close()
 
 
-def _close_pool(pool: BufferPool) -> None:
-    """Unmap the pool's buffers; one still viewed by a caller is left to the garbage collector."""
-    with contextlib.suppress(BufferError):
-        pool.close()
+def _retrieve(task: asyncio.Future[object]) -> None:
+    """Mark a task's exception as seen (it is raised where the task is awaited, if ever)."""
+    if not task.cancelled():
+        task.exception()
