@@ -355,7 +355,8 @@ class AzureStore(Store):
             async for item in self._container().walk_blobs(name_starts_with=base + "/" if base else None,
                                                            include=["metadata"], delimiter="/"):
                 if item.name.endswith("/"):
-                    dirs.append(item.name.rstrip("/"))
+                    if item.name != base + "/":  # a "dir/" marker blob of the listed prefix itself
+                        dirs.append(item.name.rstrip("/"))
                 else:
                     objects.append(ObjectMeta(item.name, item.size, item.last_modified.timestamp(), item.etag,
                                               _decode_metadata(item.metadata)))

@@ -40,7 +40,9 @@ that could never be reached raises StoreError at once instead of being retried.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import os
 import posixpath
 import secrets
@@ -174,6 +176,14 @@ def _expect_continue(request: Any, **_: Any) -> None:
         return
     if size >= EXPECT_CONTINUE_MIN:
         request.headers["Expect"] = "100-continue"
+
+
+def _content_md5(request: Any, **_: Any) -> None:
+    """Add Content-MD5 to DeleteObjects: MinIO-based servers (the JuiceFS gateway) refuse it without,
+    and botocore's newer defaults send only a CRC."""
+    body = request.body if isinstance(request.body, bytes) else None
+    if body is not None and "Content-MD5" not in request.headers:
+        request.headers["Content-MD5"] = base64.b64encode(hashlib.md5(body).digest()).decode()
 
 
 class S3Upload(MultipartUpload):
@@ -315,6 +325,7 @@ class S3Store(Store):
         except _CLIENT_ERRORS as exc:
             await stack.aclose()
             raise self._translate(exc, "") from exc
+        client.meta.events.register("before-sign.s3.DeleteObjects", _content_md5)
         if self.expect_continue:
             for op in ("PutObject", "UploadPart"):
                 client.meta.events.register(f"before-sign.s3.{op}", _expect_continue)
