@@ -15,44 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-import xxhash
-
 import fastckpt
+from bench.single_file import file_digest, timed
 from fastckpt.config import parse_size
 from tests.servers.gcs import BUCKET, start_fake_gcs, stop_fake_gcs
 
 MiB = 1 << 20
 PEER_CHUNK = 64 * MiB
-
-
-def cpu_seconds() -> float:
-    """User + system CPU time of this process so far."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def file_digest(path: Path) -> str:
-    """XXH3-128 of a local file."""
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(16 * MiB):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def timed(fn: Callable[[], object], size: int) -> dict[str, float]:
-    """Run ``fn`` once; wall time, MiB/s and CPU-s/GiB."""
-    cpu, start = cpu_seconds(), time.perf_counter()
-    fn()
-    wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
-    return {"seconds": round(wall, 3), "mib_s": round(size / MiB / wall, 1),
-            "cpu_s_per_gib": round(cpu / (size / (1 << 30)), 2)}
 
 
 def fastckpt_runs(uri: str, src: Path, out: Path, size: int) -> tuple[dict, dict]:

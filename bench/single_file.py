@@ -1,0 +1,36 @@
+"""Timing helpers shared by the single-file emulator benchmarks (gcs_emulator, azure_emulator)."""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import xxhash
+
+MiB = 1 << 20
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def file_digest(path: Path) -> str:
+    """XXH3-128 of a local file."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * MiB):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def timed(fn: Callable[[], object], size: int) -> dict[str, float]:
+    """Run ``fn`` once; wall time, MiB/s and CPU-s/GiB."""
+    cpu, start = cpu_seconds(), time.perf_counter()
+    fn()
+    wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    return {"seconds": round(wall, 3), "mib_s": round(size / MiB / wall, 1),
+            "cpu_s_per_gib": round(cpu / (size / (1 << 30)), 2)}
