@@ -21,6 +21,7 @@ from urllib.request import urlopen
 import pytest
 
 from fastckpt.stores.azure import EMULATOR_ACCOUNT, EMULATOR_KEY
+from tests.procs import stop_process
 
 CONTAINER = "fastckpt-test"
 _LOCAL_BIN = Path(__file__).resolve().parents[2] / ".ci" / "node" / "node_modules" / ".bin" / "azurite-blob"
@@ -103,13 +104,7 @@ def start_azurite(workdir: str, timeout: float = 60.0) -> Azurite:
 
 def stop_azurite(server: Azurite) -> None:
     """Terminate Azurite (kill it if it does not exit)."""
-    if server.process.poll() is None:
-        server.process.terminate()
-        try:
-            server.process.wait(10)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait()
+    stop_process(server.process)
 
 
 @pytest.fixture(scope="session")

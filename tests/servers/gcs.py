@@ -21,6 +21,8 @@ from typing import IO
 
 import pytest
 
+from tests.procs import stop_process
+
 BUCKET = "fastckpt-test"
 
 
@@ -92,12 +94,7 @@ def start_fake_gcs(timeout: float = 30.0) -> FakeGCS:
 
 def stop_fake_gcs(server: FakeGCS) -> None:
     """Terminate the server (kill it if it lingers) and drop its log."""
-    server.proc.terminate()
-    try:
-        server.proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        server.proc.wait()
+    stop_process(server.proc)
     server.log.close()
 
 

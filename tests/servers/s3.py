@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.procs import stop_process
+
 BUCKET = "fastckpt-test"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing-access-key", "AWS_SECRET_ACCESS_KEY": "testing-secret-key",
                "AWS_DEFAULT_REGION": "us-east-1"}
@@ -74,12 +76,7 @@ def start_moto(env: dict[str, str] | None = None, timeout: float = 60.0) -> Moto
 
 def stop_moto(server: MotoServer) -> None:
     """Terminate the server process (kill it if it does not exit)."""
-    server.proc.terminate()
-    try:
-        server.proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        server.proc.wait()
+    stop_process(server.proc)
 
 
 @pytest.fixture(scope="session")
