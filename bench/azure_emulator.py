@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 import fastckpt
-from bench.single_file import file_digest, timed
+from bench.single_file import copy_files_runs, file_digest, timed
 from fastckpt.config import parse_size
 from tests.servers.azure import CONTAINER, start_azurite, stop_azurite
 
@@ -41,12 +41,7 @@ def adlfs_runs(conn: str, path: str, src: Path, out: Path, size: int) -> tuple[d
     import pyarrow.fs as pafs
 
     remote = pafs.PyFileSystem(pafs.FSSpecHandler(adlfs.AzureBlobFileSystem(connection_string=conn)))
-    local = pafs.LocalFileSystem()
-    up = timed(lambda: pafs.copy_files(str(src), path, source_filesystem=local, destination_filesystem=remote,
-                                       chunk_size=PEER_CHUNK), size)
-    down = timed(lambda: pafs.copy_files(path, str(out), source_filesystem=remote, destination_filesystem=local,
-                                         chunk_size=PEER_CHUNK), size)
-    return up, down
+    return copy_files_runs(remote, path, src, out, size, PEER_CHUNK)
 
 
 def main() -> None:

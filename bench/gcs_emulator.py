@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 import fastckpt
-from bench.single_file import file_digest, timed
+from bench.single_file import copy_files_runs, file_digest, timed
 from fastckpt.config import parse_size
 from tests.servers.gcs import BUCKET, start_fake_gcs, stop_fake_gcs
 
@@ -43,12 +43,7 @@ def gcsfs_runs(endpoint: str, path: str, src: Path, out: Path, size: int) -> tup
     import pyarrow.fs as pafs
 
     remote = pafs.PyFileSystem(pafs.FSSpecHandler(gcsfs.GCSFileSystem(endpoint_url=endpoint, token="anon")))
-    local = pafs.LocalFileSystem()
-    up = timed(lambda: pafs.copy_files(str(src), path, source_filesystem=local, destination_filesystem=remote,
-                                       chunk_size=PEER_CHUNK), size)
-    down = timed(lambda: pafs.copy_files(path, str(out), source_filesystem=remote, destination_filesystem=local,
-                                         chunk_size=PEER_CHUNK), size)
-    return up, down
+    return copy_files_runs(remote, path, src, out, size, PEER_CHUNK)
 
 
 def main() -> None:

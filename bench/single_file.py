@@ -34,3 +34,16 @@ def timed(fn: Callable[[], object], size: int) -> dict[str, float]:
     wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
     return {"seconds": round(wall, 3), "mib_s": round(size / MiB / wall, 1),
             "cpu_s_per_gib": round(cpu / (size / (1 << 30)), 2)}
+
+
+def copy_files_runs(remote: object, path: str, src: Path, out: Path, size: int, chunk_size: int = 64 * MiB
+                    ) -> tuple[dict[str, float], dict[str, float]]:
+    """Upload then download one file with ``pyarrow.fs.copy_files`` (Ray's path) through ``remote``."""
+    import pyarrow.fs as pafs
+
+    local = pafs.LocalFileSystem()
+    up = timed(lambda: pafs.copy_files(str(src), path, source_filesystem=local, destination_filesystem=remote,
+                                       chunk_size=chunk_size), size)
+    down = timed(lambda: pafs.copy_files(path, str(out), source_filesystem=remote, destination_filesystem=local,
+                                         chunk_size=chunk_size), size)
+    return up, down
