@@ -49,8 +49,5 @@ def store_uri(backend: str, tmp_path, request: pytest.FixtureRequest) -> str:
 async def store(store_uri: str):
     """(store, base key) for ``store_uri``; closed after the test."""
     uri = parse_uri(store_uri)
-    s = open_store(uri, small_config())
-    try:
+    async with open_store(uri, small_config()) as s:
         yield s, uri
-    finally:
-        await s.close()

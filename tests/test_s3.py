@@ -64,11 +64,8 @@ def one_line(exc: BaseException) -> str:
 async def s3(s3_uri: str):
     """(S3Store, parsed URI) on a fresh prefix."""
     uri = parse_uri(s3_uri)
-    store = open_store(uri, small_config())
-    try:
+    async with open_store(uri, small_config()) as store:
         yield store, uri
-    finally:
-        await store.close()
 
 
 def pending_on_server(server: MotoServer, prefix: str) -> list[dict]:
