@@ -22,7 +22,7 @@ from pathlib import Path
 import fastckpt
 from bench.single_file import copy_files_runs, file_digest, timed
 from fastckpt.config import parse_size
-from tests.servers.azure import CONTAINER, start_azurite, stop_azurite
+from harness.azure import CONTAINER, start_azurite, stop_azurite
 
 MiB = 1 << 20
 PEER_CHUNK = 64 * MiB

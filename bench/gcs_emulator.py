@@ -21,7 +21,7 @@ from pathlib import Path
 import fastckpt
 from bench.single_file import copy_files_runs, file_digest, timed
 from fastckpt.config import parse_size
-from tests.servers.gcs import BUCKET, start_fake_gcs, stop_fake_gcs
+from harness.gcs import BUCKET, start_fake_gcs, stop_fake_gcs
 
 MiB = 1 << 20
 PEER_CHUNK = 64 * MiB

@@ -122,9 +122,10 @@ def cmd_demo(args: argparse.Namespace) -> dict[str, object]:
 def cmd_doctor(args: argparse.Namespace) -> dict[str, object]:
     from . import integrity
     from ._loop import uvloop
+    from .stores import backend_status
 
     return {"version": __version__, "python": sys.version.split()[0], "native_accelerator": integrity.native_info(),
-            "uvloop": uvloop is not None, "config": TransferConfig.from_env().__dict__}
+            "uvloop": uvloop is not None, "backends": backend_status(), "config": TransferConfig.from_env().__dict__}
 
 
 def _print_human(name: str, out: dict[str, object]) -> None:
@@ -185,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", default="1GiB", help="checkpoint size (default 1GiB)")
     demo.add_argument("--dir", default=None, help="scratch directory (default: system temp)")
     sub.add_parser("doctor", parents=[common], help="show versions, accelerator and configuration")
-    sub.add_parser("bench", help="benchmarks against peers (see bench/run.py --help)", add_help=False)
+    if _bench_root() is not None:
+        sub.add_parser("bench", help="benchmarks against peers (see bench/run.py --help)", add_help=False)
     return p
 
 
@@ -194,12 +196,16 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, object]]] = {
 }
 
 
+def _bench_root() -> str | None:
+    """The source checkout holding ``bench/`` beside this package, if any (the benchmarks are not shipped)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return root if os.path.isfile(os.path.join(root, "bench", "run.py")) else None
+
+
 def _bench(argv: list[str]) -> int:
     """``fastckpt bench ...``: the benchmark suite in ``bench/`` of a source checkout."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not os.path.isfile(os.path.join(root, "bench", "run.py")):
-        print("fastckpt bench: error: bench/ not found (benchmarks run from a source checkout)", file=sys.stderr)
-        return 1
+    root = _bench_root()
+    assert root is not None
     sys.path.insert(0, root)
     from bench.run import main as bench_main
 
@@ -209,7 +215,7 @@ def _bench(argv: list[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 1 failure)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:
+    if argv[:1] == ["bench"] and _bench_root() is not None:
         return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:

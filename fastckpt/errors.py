@@ -1,4 +1,8 @@
-"""Exceptions raised by fastckpt. Every message names the object or URI concerned."""
+"""Exceptions raised by fastckpt. Every message names the object or URI concerned.
+
+Storage and integrity errors are ``OSError``s, as pyarrow's filesystems raise them, so code written
+for pyarrow (and the facade) catches them without a parallel hierarchy.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,35 @@ class FastckptError(Exception):
     """Base class of all fastckpt errors."""
 
 
-class StoreError(FastckptError):
-    """A storage request failed and retrying it will not help."""
+class StoreError(FastckptError, OSError):
+    """A storage request failed. ``retryable`` tells whether a retry may help.
+
+    ``key``, ``backend`` and ``status`` (the HTTP status, where there was one) are set where known.
+    """
+
+    retryable = False
+
+    def __init__(self, message: str, *, key: str | None = None, backend: str | None = None,
+                 status: int | None = None) -> None:
+        super().__init__(message)
+        self.key, self.backend, self.status = key, backend, status
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple[object, ...]:  # keep the fields across pickling (Ray, multiprocessing)
+        return _rebuild, (type(self), str(self), self.key, self.backend, self.status)
+
+
+def _rebuild(cls: type[StoreError], message: str, key: str | None, backend: str | None,
+             status: int | None) -> StoreError:
+    return cls(message, key=key, backend=backend, status=status)
 
 
 class TransientStoreError(StoreError):
     """A storage request failed in a way that a retry may fix (5xx, throttling, reset, timeout)."""
+
+    retryable = True
 
 
 class ObjectNotFoundError(StoreError, FileNotFoundError):
@@ -27,8 +54,11 @@ class AccessDeniedError(StoreError, PermissionError):
     """Credentials are missing, wrong or lack permission."""
 
 
-class IntegrityError(FastckptError):
+class IntegrityError(FastckptError, OSError):
     """Data read back does not match its recorded digest."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class CheckpointError(FastckptError):

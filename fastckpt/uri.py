@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 BACKEND_OF_SCHEME = {
     "s3": "s3",
@@ -25,7 +25,7 @@ BACKEND_OF_SCHEME = {
 KNOWN_OPTIONS = {
     "s3": {"endpoint_override", "region", "scheme", "profile", "anonymous", "addressing_style"},
     "gcs": {"endpoint_override", "project", "anonymous"},
-    "azure": {"account", "endpoint_override", "anonymous"},
+    "azure": {"account", "endpoint_override", "endpoint_suffix", "anonymous"},
     "local": set(),
     "memory": set(),
 }
@@ -59,10 +59,37 @@ class StorageURI:
         """The same location with another key prefix."""
         return StorageURI(self.raw, self.scheme, self.backend, self.bucket, key.strip("/"), self.options)
 
+    def uri(self) -> str:
+        """A URI string that parses back to this location, options included."""
+        if self.backend == "local" or not self.options:
+            return str(self)
+        return f"{self}?{urlencode(self.options, safe=':/')}"
+
+    def flag(self, name: str) -> bool | None:
+        """Boolean option ``name``; None when absent (see ``parse_flag``)."""
+        return parse_flag(name, self.options.get(name), f"storage URI {self.raw!r}")
+
     def __str__(self) -> str:
         if self.backend == "local":
             return "/" + self.key
-        return f"{self.scheme}://{self.bucket}/{self.key}".rstrip("/")
+        key = self.key.replace("%", "%25").replace("#", "%23").replace("?", "%3F")  # parses back to self.key
+        scheme = "az" if self.backend == "azure" and self.scheme in ("http", "https") else self.scheme
+        return f"{scheme}://{self.bucket}/{key}".rstrip("/")
+
+
+def parse_flag(name: str, value: str | None, where: str) -> bool | None:
+    """A boolean option: ``true``/``false``, ``1``/``0``, ``yes``/``no``, ``on``/``off``; None when absent.
+
+    The same rule on every backend: a blank or any other value is an error naming the option.
+    """
+    if value is None:
+        return None
+    text = value.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"invalid {where}: option {name}={value!r} is not a boolean (use true or false)")
 
 
 def join_key(*parts: str) -> str:
@@ -81,11 +108,19 @@ def parse_uri(uri: str | os.PathLike[str]) -> StorageURI:
         path = os.path.abspath(os.path.expanduser(text))
         return StorageURI(text, "file", "local", "", path.strip("/"))
     parts = urlsplit(text)
+    if "#" in text:
+        # urlsplit moves everything after '#' (query included) into the fragment: never drop it silently.
+        raise ValueError(f"invalid storage URI {text!r}: '#' starts a URL fragment, which a storage URI cannot "
+                         "honour (everything after it would be ignored); write a '#' in a key as %23")
     scheme = parts.scheme.lower()
     backend = BACKEND_OF_SCHEME.get(scheme)
     if backend is None and scheme in ("http", "https") and _AZURE_HOST_RE.match((parts.hostname or "").lower()):
         backend = "azure"
-    options = dict(parse_qsl(parts.query, keep_blank_values=True))
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    options = dict(pairs)
+    if len(options) != len(pairs):
+        repeated = sorted({k for k, _ in pairs if [p for p, _ in pairs].count(k) > 1})
+        raise ValueError(f"invalid storage URI {text!r}: option(s) {repeated} given more than once")
     if backend is None:
         return StorageURI(text, scheme, "delegate", parts.netloc, unquote(parts.path).strip("/"), options)
     unknown = set(options) - KNOWN_OPTIONS[backend]

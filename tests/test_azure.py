@@ -27,9 +27,10 @@ from fastckpt.stores.azure import (
 )
 from fastckpt.stores.base import Buffer
 from fastckpt.stores.faults import FaultInjectingStore
+from harness.procs import free_port
 
 from .conftest import small_config
-from .servers.azure import CONTAINER, Azurite, _free_port
+from .servers.azure import CONTAINER, Azurite
 
 MiB = 1 << 20
 _ENV = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT",
@@ -292,7 +293,7 @@ async def test_bad_key_is_access_denied_without_the_key(azure_uri: str, azurite:
 
 
 async def test_unreachable_endpoint_is_transient() -> None:
-    uri = parse_uri(f"az://{CONTAINER}/p?account={EMULATOR_ACCOUNT}&endpoint_override=http://127.0.0.1:{_free_port()}")
+    uri = parse_uri(f"az://{CONTAINER}/p?account={EMULATOR_ACCOUNT}&endpoint_override=http://127.0.0.1:{free_port()}")
     async with open_store(uri, small_config()) as store:
         with pytest.raises(TransientStoreError, match=r"connection to http://127\.0\.0\.1"):
             await store.head("p/x")

@@ -206,7 +206,9 @@ async def test_same_file_from_two_ranks_is_refused(fast_uri: str, tmp_path) -> N
     results = await write_ranks(uri, tmp_path, contributors=[0, 2, 3], barrier=make_barrier("store"), world=4,
                                 names=lambda r: ["shared.bin"] if r in (2, 3) else ["own.bin"])
     assert all(isinstance(r, CheckpointError) for r in results), results
-    assert all("'shared.bin' by ranks 2 and 3" in str(r) for r in results)
+    # Refused at the commit ("'shared.bin' by ranks 2 and 3") or, when the second rank's create-if-absent
+    # write finds the first one's file, at that write; either way every rank names the file.
+    assert all("shared.bin" in str(r) for r in results), results
     assert ".fastckpt/COMMITTED" not in await keys_below(uri)
 
 

@@ -55,6 +55,7 @@ def test_demo_and_doctor(tmp_path) -> None:
     assert os.listdir(tmp_path) == []  # scratch space cleaned up
     doc = json.loads(run("doctor", "--json").stdout)
     assert "native_accelerator" in doc and doc["version"]
+    assert doc["backends"] == {name: "available" for name in ("local", "memory", "s3", "gcs", "azure")}
 
 
 def test_checkpoint_ls_verify_gc(tmp_path) -> None:

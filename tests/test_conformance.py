@@ -201,3 +201,44 @@ async def test_overwrite_replaces(store) -> None:
     await s.put(uri.join("o"), b"old-old")
     await s.put(uri.join("o"), b"new")
     assert await s.get_range(uri.join("o"), 0, 100) == b"new"
+
+
+async def test_multipart_create_if_absent(store) -> None:
+    """A multipart upload created ``if_absent`` completes only while its key is free."""
+    s, uri = store
+    part = part_size_of(s)
+    key = uri.join("mp-once")
+    first = await s.create_multipart(key, part, if_absent=True)
+    infos = [await first.put_part(0, os.urandom(part)), await first.put_part(1, b"first")]
+    await first.complete(infos)
+    second = await s.create_multipart(key, part, if_absent=True)
+    infos = [await second.put_part(0, os.urandom(part)), await second.put_part(1, b"second-and-longer")]
+    with pytest.raises(AlreadyExistsError):
+        await second.complete(infos)
+    await second.abort()
+    assert (await s.head(key)).size == part + len(b"first")
+    assert await s.get_range(key, part, 100) == b"first"
+    assert [u for u in await s.list_pending_uploads(uri.key) if u.key == key] == []
+
+
+@pytest.mark.parametrize("size", ["single", "multipart"])
+async def test_engine_create_if_absent(store, tmp_path, size: str) -> None:
+    """The engine's create-if-absent: an identical object counts as written, a different one is kept."""
+    s, uri = store
+    n = 1000 if size == "single" else 2 * part_size_of(s) + 5
+    src, other = tmp_path / "src", tmp_path / "other"
+    src.write_bytes(os.urandom(n))
+    other.write_bytes(os.urandom(n))
+    transfer = Transfer(s, small_config())
+    try:
+        first = await transfer.upload_file(str(src), uri.join("once"), if_absent=True)
+        again = await transfer.upload_file(str(src), uri.join("once"), if_absent=True)
+        assert again.digest == first.digest
+        with pytest.raises(AlreadyExistsError):
+            await transfer.upload_file(str(other), uri.join("once"), if_absent=True)
+        down = await transfer.download_file(uri.join("once"), str(tmp_path / "down"))
+    finally:
+        transfer.close()
+    assert (tmp_path / "down").read_bytes() == src.read_bytes()
+    assert down.digest == first.digest
+    assert [u for u in await s.list_pending_uploads(uri.key) if u.key == uri.join("once")] == []

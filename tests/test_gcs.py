@@ -17,9 +17,10 @@ from fastckpt.engine.transfer import Transfer
 from fastckpt.integrity import FileDigest
 from fastckpt.stores.faults import FaultInjectingStore
 from fastckpt.stores.gcs import COMPOSE_LIMIT, PARTS_DIR, GCSStore, parts_prefix
+from harness.procs import free_port
 
 from .conftest import small_config
-from .servers.gcs import BUCKET, free_port
+from .servers.gcs import BUCKET
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -219,3 +220,16 @@ async def test_folder_placeholders_are_not_files(gcs, gcs_server: str) -> None:
     assert [m.key async for m in store.list(uri.join("dir"))] == [uri.join("dir/file")]
     assert [o.key for o in (await store.list_dir(uri.join("dir")))[0]] == [uri.join("dir/file")]
 
+
+
+async def test_compose_that_ignores_preconditions_is_refused_by_default(gcs_server: str) -> None:
+    """fake-gcs-server ignores ifGenerationMatch=0 on compose: detected, and a create-if-absent refused."""
+    async with GCSStore(BUCKET, endpoint=gcs_server, if_absent_mode="auto") as store:
+        key = f"cond-{uuid.uuid4().hex[:8]}/obj"
+        await store.put(key, b"first")
+        mpu = await store.create_multipart(key, 4, if_absent=True)
+        infos = [await mpu.put_part(0, b"abcd"), await mpu.put_part(1, b"e")]
+        with pytest.raises(StoreError, match=r"ignores ifGenerationMatch=0 on compose.*FASTCKPT_GCS_IF_ABSENT"):
+            await mpu.complete(infos)
+        await mpu.abort()
+        assert await store.get_range(key, 0, 100) == b"first"

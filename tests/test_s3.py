@@ -35,9 +35,10 @@ from fastckpt.engine.transfer import Transfer
 from fastckpt.integrity import META_CHUNK, META_DIGEST, FileDigest
 from fastckpt.stores.faults import FaultInjectingStore
 from fastckpt.stores.s3 import S3Store, resolve_endpoint
+from harness.procs import free_port
+from harness.s3 import BUCKET, MotoServer, start_moto, stop_moto
 
 from .conftest import small_config
-from .servers.s3 import BUCKET, MotoServer, free_port, start_moto, stop_moto
 
 PART = 5 << 20
 
@@ -422,18 +423,18 @@ async def test_client_settings_and_knobs(s3_uri: str, monkeypatch, tmp_path, kno
 async def test_list_pagination_and_batched_deletes(s3) -> None:
     store, uri = s3
     client = await store.client()
-    calls = {"ListObjectsV2": 0, "DeleteObjects": 0}
+    calls = {"ListObjectsV2": 0, "DeleteObjects": 0, "HeadObject": 0}
 
     def count(model, **_: object) -> None:
         calls[model.name] += 1
 
-    client.meta.events.register("before-call.s3.ListObjectsV2", count)
-    client.meta.events.register("before-call.s3.DeleteObjects", count)
+    for op in calls:
+        client.meta.events.register(f"before-call.s3.{op}", count)
     keys = [uri.join(f"p/{i:02d}") for i in range(7)]
     await asyncio.gather(*(store.put(k, b"x") for k in keys))
     store.page_size = 2
     assert [m.key async for m in store.list(uri.join("p"))] == keys
-    assert calls["ListObjectsV2"] >= 5  # one probe for the exact key, then four pages of two
+    assert (calls["HeadObject"], calls["ListObjectsV2"]) == (1, 4)  # the exact key, then four pages of two
     objects, dirs = await store.list_dir(uri.key)
     assert objects == [] and dirs == [uri.join("p")]
     absent = [uri.join(f"gone/{i}") for i in range(2500 - len(keys))]
@@ -553,3 +554,22 @@ async def test_unreachable_endpoint_fails_fast(tmp_path) -> None:
     with pytest.raises(StoreError, match="cannot reach S3 endpoint") as info:
         await fastckpt.upload_async(path, uri, config=config)
     assert not isinstance(info.value, TransientStoreError) and "attempts" not in one_line(info.value)
+
+
+def test_hash_in_uri_is_an_error_not_a_request_to_aws(moto_server: MotoServer, tmp_path) -> None:
+    """``#`` used to drop the query (endpoint_override included) and send signed requests to AWS."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "ok.txt"
+    src.write_bytes(b"payload")
+    cli = [sys.executable, "-m", "fastckpt.cli", "cp", str(src)]
+    bad = subprocess.run([*cli, f"s3://{BUCKET}/hash/k#1?endpoint_override={moto_server.endpoint}"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1
+    assert "'#' starts a URL fragment" in bad.stderr and "%23" in bad.stderr
+    good = subprocess.run([*cli, f"s3://{BUCKET}/hash/k%231?endpoint_override={moto_server.endpoint}"],
+                          capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0, good.stderr
+    client = boto3.client("s3", endpoint_url=moto_server.endpoint)
+    assert client.get_object(Bucket=BUCKET, Key="hash/k#1")["Body"].read() == b"payload"

@@ -49,6 +49,9 @@ def test_relative_local_path() -> None:
         ("s3://b/p?endpoint=x", "unknown option"),
         ("file://host/x", "take no host"),
         ("az://Upper/x", "not a valid Azure container"),
+        ("s3://bkt/k#1?endpoint_override=http://127.0.0.1:5555", "'#' starts a URL fragment"),
+        ("gs://bkt/a#b", "'#' starts a URL fragment"),
+        ("s3://b/k?region=a&region=b", r"\['region'\] given more than once"),
     ],
 )
 def test_bad_uris(uri: str, problem: str) -> None:
@@ -68,3 +71,41 @@ def test_config_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_size("1.5GiB") == 3 << 29
     with pytest.raises(ValueError, match="invalid size"):
         parse_size("12 parsecs")
+
+
+@pytest.mark.parametrize("key", ["k#1", "50%/x?y", "a%23b"])
+def test_keys_with_url_characters_round_trip(key: str) -> None:
+    """A key holding '#', '?' or '%' is written percent-encoded, and str() of the URI parses back to it."""
+    encoded = key.replace("%", "%25").replace("#", "%23").replace("?", "%3F")
+    parsed = parse_uri(f"s3://bkt/{encoded}?endpoint_override=http://127.0.0.1:5555")
+    assert parsed.key == key
+    assert parsed.options == {"endpoint_override": "http://127.0.0.1:5555"}
+    assert parse_uri(str(parsed)).key == key
+
+
+@pytest.mark.parametrize("uri", ["s3://b/p?anonymous=", "gs://b/p?anonymous=", "az://c/p?account=acct&anonymous=",
+                                 "s3://b/p?anonymous=maybe"])
+def test_blank_or_odd_boolean_is_an_error_on_every_backend(uri: str) -> None:
+    from fastckpt import open_store
+
+    with pytest.raises(ValueError, match=r"option anonymous='(maybe)?' is not a boolean"):
+        open_store(uri)
+
+
+@pytest.mark.parametrize("uri", ["abfss://ckpts@acct.dfs.core.chinacloudapi.cn/run1/step-1",
+                                 "https://acct.blob.core.usgovcloudapi.net/ckpts/run1",
+                                 "s3://bkt/a%23b?endpoint_override=http://127.0.0.1:9&region=eu-west-1",
+                                 "gs://bkt/x?anonymous=true", "memory://m/k", "/tmp/some#dir/x"])
+def test_uri_parses_back_to_the_same_location(uri: str) -> None:
+    """``StorageURI.uri()`` (what latest() / list_checkpoints() hand back) parses to the same location."""
+    parsed = parse_uri(uri)
+    again = parse_uri(parsed.uri())
+    where = (parsed.backend, parsed.bucket, parsed.key, parsed.options)
+    assert (again.backend, again.bucket, again.key, again.options) == where
+
+
+def test_sovereign_azure_uri_reaches_its_cloud() -> None:
+    from fastckpt.stores.azure import resolve_endpoint
+
+    uri = parse_uri("abfss://ckpts/run1/step-1?account=acct&endpoint_suffix=core.chinacloudapi.cn")
+    assert resolve_endpoint(uri.options, {"AZURE_STORAGE_KEY": "a2V5"}).url == "https://acct.blob.core.chinacloudapi.cn"

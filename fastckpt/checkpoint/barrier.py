@@ -19,6 +19,7 @@ import asyncio
 import random
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -61,6 +62,16 @@ class Rendezvous:
     rank: int
     world_size: int
     config: TransferConfig = field(default_factory=TransferConfig)
+    writer: Callable[[str, bytes], Awaitable[None]] | None = None
+    """How this rank's payloads are written to the store (the checkpoint writer's guarded write); a plain
+    put when None."""
+
+    async def write(self, key: str, data: bytes) -> None:
+        """Write this rank's payload ``data`` to ``key``."""
+        if self.writer is not None:
+            await self.writer(key, data)
+        else:
+            await with_retries(lambda: self.store.put(key, data), self.config, f"write of {key}")
 
 
 class Barrier(abc.ABC):
@@ -142,8 +153,7 @@ class StoreBarrier(Barrier):
         self.read_concurrency = read_concurrency
 
     async def gather(self, rv: Rendezvous, tag: str, payload: bytes) -> list[bytes] | None:
-        await with_retries(lambda: rv.store.put(rank_key(rv.prefix, tag, rv.rank), payload), rv.config,
-                           f"barrier arrival of rank {rv.rank} at {join_key(rv.prefix, tag)}")
+        await rv.write(rank_key(rv.prefix, tag, rv.rank), payload)
         if rv.rank != 0:
             return None
         got: dict[int, bytes] = {0: payload}

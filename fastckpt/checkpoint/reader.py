@@ -14,7 +14,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
-from urllib.parse import urlencode
 
 from .._loop import run_sync
 from ..config import TransferConfig
@@ -115,10 +114,7 @@ class GcReport:
 
 def uri_of(base: StorageURI, key: str) -> str:
     """A URI string for ``key`` in ``base``'s bucket, with ``base``'s options."""
-    if base.backend == "local":
-        return "/" + key
-    query = "?" + urlencode(base.options, safe=":/") if base.options else ""
-    return f"{base.scheme}://{base.bucket}/{key}{query}"
+    return base.with_key(key).uri()
 
 
 def _name(key: str) -> str:

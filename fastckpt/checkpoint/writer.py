@@ -2,9 +2,17 @@
 
 On leaving the block without an exception, each rank uploads its manifest (files, sizes, chunk size,
 digests) for the attempt, the barrier gathers them at rank 0, rank 0 checks them (no rank failed, no
-file written twice) and creates the commit marker with create-if-absent, and announces the outcome to
-every rank. Leaving with an exception hands a failure record to the barrier instead: nothing commits,
-and the other ranks raise CheckpointError naming the failed rank.
+file written twice, every file still holds the bytes its rank recorded) and creates the commit marker
+with create-if-absent, and announces the outcome to every rank. Leaving with an exception hands a
+failure record to the barrier instead: nothing commits, and the other ranks raise CheckpointError
+naming the failed rank.
+
+A committed checkpoint is never changed. Data files and manifests are written create-if-absent, so no
+writer replaces a file blindly. A file found under a name this rank is about to write is a leftover of
+an uncommitted attempt (a dead run): it is deleted first, unless the checkpoint is committed, in which
+case the writer fails before writing anything. A file created by another writer between that check
+and this rank's write fails the write (two jobs writing one checkpoint at once), and a file replaced
+after its rank wrote it fails the commit, so the marker only ever names the bytes its manifests hold.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from ..engine.progress import ProgressCallback
 from ..engine.retry import with_retries
 from ..engine.transfer import FileResult, Transfer
 from ..errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
+from ..integrity import FileDigest
 from ..stores import open_store
 from ..stores.base import Store
 from ..uri import StorageURI, parse_uri
@@ -44,6 +53,9 @@ from .manifest import (
     rank_key,
 )
 from .storage import read_object
+
+CHECK_CONCURRENCY = 64
+"""HEAD requests in flight while rank 0 checks the files before committing."""
 
 log = logging.getLogger("fastckpt")
 ATTEMPT_TAG = "attempt"
@@ -128,6 +140,7 @@ class CheckpointWriter:
         self._progress = progress
         self._transfer: Transfer | None = None
         self._entries: dict[str, FileEntry | None] = {}
+        self._existing: set[str] | None = None
         self._closed = False
         self.result: CommitResult | None = None
         """Set on every rank once the checkpoint is committed."""
@@ -143,7 +156,8 @@ class CheckpointWriter:
     def _rv(self) -> Rendezvous:
         if self._store is None:
             raise CheckpointError("CheckpointWriter is used outside its 'async with' block")
-        return Rendezvous(self._store, meta_prefix(self.uri.key), self.rank, self.world_size, self.config)
+        return Rendezvous(self._store, meta_prefix(self.uri.key), self.rank, self.world_size, self.config,
+                          self._write_own)
 
     async def __aenter__(self) -> CheckpointWriter:
         if self._transfer is not None or self._closed:
@@ -160,13 +174,37 @@ class CheckpointWriter:
             raise
         return self
 
-    async def _refuse_committed(self) -> None:
+    async def _refuse_committed(self, what: str = "") -> None:
+        """CheckpointError when the checkpoint is committed (by whichever writer); ``what`` was not written."""
         key = marker_key(self.uri.key)
         try:
             await with_retries(lambda: self._rv.store.head(key), self.config, f"check of {key}")
         except ObjectNotFoundError:
             return
-        raise CheckpointError(f"checkpoint {self.uri.raw} is already committed; refusing to write it again")
+        raise CheckpointError(f"checkpoint {self.uri.raw} is already committed; refusing to write it again"
+                              + (f" ({what} not written)" if what else ""))
+
+    async def _clear_leftovers(self, keys: list[str]) -> None:
+        """Delete objects under ``keys`` left by an uncommitted attempt; refuse if the checkpoint is committed.
+
+        The checkpoint's objects are listed once per writer, on its first write.
+        """
+        store = self._rv.store
+        if self._existing is None:
+            meta = meta_prefix(self.uri.key)
+
+            async def listing() -> set[str]:
+                return {m.key async for m in store.list(self.uri.key) if not m.key.startswith(meta + "/")}
+
+            self._existing = await with_retries(listing, self.config, f"listing of {self.uri.raw}")
+        found = [k for k in keys if k in self._existing]
+        if not found:
+            return
+        await self._refuse_committed(", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else ""))
+        log.info("rank %d: replacing %d file(s) of %s left by an uncommitted attempt", self.rank, len(found),
+                 self.uri.raw)
+        await with_retries(lambda: store.delete_many(found), self.config, f"delete of leftovers in {self.uri.raw}")
+        self._existing.difference_update(found)
 
     async def _agree_attempt(self) -> str:
         if self.world_size == 1:
@@ -207,7 +245,14 @@ class CheckpointWriter:
             for _, name in pairs:
                 names.append(self._reserve(name))
             keys = [self.uri.join(n) for n in names]
-            results = await transfer.upload_files([(p, k) for (p, _), k in zip(pairs, keys, strict=True)])
+            await self._clear_leftovers(keys)
+            try:
+                results = await transfer.upload_files([(p, k) for (p, _), k in zip(pairs, keys, strict=True)],
+                                                      if_absent=True)
+            except AlreadyExistsError as exc:
+                await self._refuse_committed()
+                raise CheckpointError(f"{exc}: created meanwhile by another writer of checkpoint {self.uri.raw} "
+                                      "(another rank writing the same name, or another job); not replaced") from exc
         except BaseException:
             for n in names:
                 if self._entries.get(n) is None:
@@ -244,8 +289,7 @@ class CheckpointWriter:
             raise CheckpointError(f"rank {self.rank} left the block with uploads still running")
         data = self._manifest()
         if not self.barrier.stores_payloads:
-            key = rank_key(rv.prefix, attempt, self.rank)
-            await with_retries(lambda: rv.store.put(key, data), self.config, f"write of manifest {key}")
+            await self._write_own(rank_key(rv.prefix, attempt, self.rank), data)
         if self.rank == 0:
             outcome, error = await self._root_decide(await self._root_gather(data))
             await self.barrier.broadcast(rv, attempt, json.dumps(outcome).encode())
@@ -267,6 +311,40 @@ class CheckpointWriter:
         self.result = CommitResult(self.uri.raw, attempt, self.world_size, outcome["files"], outcome["bytes"],
                                    outcome["committed_at"])
 
+    async def _write_own(self, key: str, data: bytes) -> None:
+        """Create this rank's manifest (or barrier payload) ``key``; one left by a dead process of the same
+        attempt is replaced, unless the checkpoint is committed."""
+        store = self._rv.store
+        try:
+            await with_retries(lambda: store.put(key, data, if_absent=True), self.config, f"write of manifest {key}")
+        except AlreadyExistsError:
+            if await read_object(store, key, self.config) == data:
+                return
+            await self._refuse_committed(f"manifest {key}")
+            await with_retries(lambda: store.put(key, data), self.config, f"write of manifest {key}")
+
+    async def _check_files(self, payloads: list[bytes]) -> None:
+        """Root: every file named by the manifests still holds what its rank recorded (CheckpointError if not)."""
+        store, limit = self._rv.store, asyncio.Semaphore(CHECK_CONCURRENCY)
+        manifests = [RankManifest.decode(p, f"manifest of rank {r}") for r, p in enumerate(payloads)]
+        entries = [(m.rank, e) for m in manifests for e in m.files]
+
+        async def check(rank: int, entry: FileEntry) -> str | None:
+            key = self.uri.join(entry.name)
+            async with limit:
+                try:
+                    meta = await with_retries(lambda: store.head(key), self.config, f"check of {key}")
+                except ObjectNotFoundError:
+                    return f"{entry.name!r} (written by rank {rank}) is gone"
+            found = FileDigest.from_metadata(meta.size, meta.metadata)
+            if meta.size != entry.digest.size or found not in (None, entry.digest):
+                return f"{entry.name!r} no longer holds what rank {rank} wrote (replaced by another writer)"
+            return None
+
+        problems = [p for p in await asyncio.gather(*(check(r, e) for r, e in entries)) if p]
+        if problems:
+            raise CheckpointError(f"checkpoint {self.uri.raw} not committed: " + "; ".join(problems[:5]))
+
     async def _root_gather(self, data: bytes) -> list[bytes]:
         """Root: gather the payloads; when that fails, tell the other ranks (if the barrier can) and raise."""
         try:
@@ -284,6 +362,7 @@ class CheckpointWriter:
         and the error to raise here after announcing it."""
         try:
             marker = build_marker(payloads, self.attempt, self.world_size, f"checkpoint {self.uri.raw}")
+            await self._check_files(payloads)
             await self._create_marker(marker)
         except CheckpointError as exc:
             return {"ok": False, "error": str(exc)}, None

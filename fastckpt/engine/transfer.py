@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ..config import TransferConfig
-from ..errors import IntegrityError, ObjectNotFoundError, StoreError
+from ..errors import AlreadyExistsError, IntegrityError, ObjectNotFoundError, StoreError
 from ..integrity import FileDigest, combine, hash_chunks, read_and_hash, read_exact, write_at
 from ..stores.base import MultipartUpload, PartInfo, Store
 from .plan import Plan, plan_download, plan_upload
@@ -99,7 +99,11 @@ class Transfer:
     # ----------------------------------------------------------------------------- uploads
 
     async def upload_files(self, pairs: list[tuple[str, str]], *, if_absent: bool = False) -> list[FileResult]:
-        """Upload ``(local path, key)`` pairs concurrently."""
+        """Upload ``(local path, key)`` pairs concurrently.
+
+        With ``if_absent`` every object is created only if its key is free (AlreadyExistsError otherwise,
+        nothing stored); a key that already holds an object with the same digest counts as written.
+        """
         sizes = []
         for path, _ in pairs:
             try:
@@ -124,7 +128,7 @@ class Transfer:
             try:
                 plan = plan_upload(os.fstat(fd).st_size, self.config, self.store)
                 if plan.multipart:
-                    digest = await self._upload_multipart(fd, plan, key, path)
+                    digest = await self._upload_multipart(fd, plan, key, path, if_absent)
                 else:
                     digest = await self._upload_single(fd, plan, key, path, if_absent)
             finally:
@@ -137,18 +141,31 @@ class Transfer:
             digests = await off_loop(hash_chunks, buf, plan.part_size) if plan.size else []
             digest = FileDigest(plan.size, plan.part_size, combine(digests))
             meta = digest.metadata() if self.config.digest_metadata else None
-            await self._retry(lambda: self.store.put(key, buf, if_absent=if_absent, metadata=meta),
-                              f"upload of {path} to {key}")
+            try:
+                await self._retry(lambda: self.store.put(key, buf, if_absent=if_absent, metadata=meta),
+                                  f"upload of {path} to {key}")
+            except AlreadyExistsError:
+                if not await self._holds(key, digest):
+                    raise
         self.progress.advance(plan.size)
         return digest
 
-    async def _upload_multipart(self, fd: int, plan: Plan, key: str, path: str) -> FileDigest:
+    async def _holds(self, key: str, digest: FileDigest) -> bool:
+        """Whether ``key`` already holds an object recorded with ``digest`` (e.g. our own create-if-absent
+        write, retried after its reply was lost)."""
+        try:
+            meta = await self._retry(lambda: self.store.head(key), f"check of {key}")
+        except ObjectNotFoundError:
+            return False
+        return FileDigest.from_metadata(meta.size, meta.metadata) == digest
+
+    async def _upload_multipart(self, fd: int, plan: Plan, key: str, path: str, if_absent: bool) -> FileDigest:
         pre: FileDigest | None = None
         if self.config.digest_metadata and not self.store.metadata_on_complete:
             pre = await self._hash_file(fd, plan)
         what = f"upload of {path} to {key}"
-        mpu: MultipartUpload = await self._retry(
-            lambda: self.store.create_multipart(key, plan.part_size, pre.metadata() if pre else None), what)
+        mpu: MultipartUpload = await self._retry(lambda: self.store.create_multipart(
+            key, plan.part_size, pre.metadata() if pre else None, if_absent=if_absent), what)
         try:
             results = await gather_all(self._send_part(fd, plan, i, mpu, what) for i in range(plan.count))
             digest = FileDigest(plan.size, plan.part_size, combine([d for _, d in results]))
@@ -156,6 +173,10 @@ class Transfer:
                 raise IntegrityError(f"{path} changed while it was being uploaded to {key}")
             meta = digest.metadata() if self.config.digest_metadata else None
             await self._retry(lambda: mpu.complete([p for p, _ in results], meta), what)
+        except AlreadyExistsError:
+            await asyncio.shield(self._abort(mpu))
+            if not await self._holds(key, digest):
+                raise
         except BaseException:
             await asyncio.shield(self._abort(mpu))
             raise

@@ -26,7 +26,6 @@ import pyarrow.fs as pafs
 
 from ..config import TransferConfig
 from .copy import copy_files, install_copy_files_guard, pyarrow_copy_files
-from .errors import IntegrityIOError, StoreIOError, TransientStoreIOError
 from .files import InputFile, OutputStream
 from .handler import FastckptHandler, StoreWrapper, location
 
@@ -74,10 +73,7 @@ __all__ = [
     "FacadeFileSystem",
     "FastckptHandler",
     "InputFile",
-    "IntegrityIOError",
     "OutputStream",
-    "StoreIOError",
-    "TransientStoreIOError",
     "copy_files",
     "filesystem",
     "from_uri",

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
+from pyarrow.lib import ArrowNotImplementedError
 
 from .._loop import BackgroundLoop
 from ..config import TransferConfig
@@ -32,11 +33,10 @@ from ..engine.retry import with_retries
 from ..engine.stream import StreamReader, StreamWriter, copy_object
 from ..engine.tasks import gather_all
 from ..engine.transfer import FileResult, Transfer
-from ..errors import FastckptError, ObjectNotFoundError
+from ..errors import ObjectNotFoundError
 from ..stores import open_store
 from ..stores.base import ObjectMeta, Store
 from ..uri import BACKEND_OF_SCHEME, StorageURI, parse_uri
-from .errors import as_oserror
 from .files import InputFile, OutputStream, ReaderHandle, WriterHandle
 
 T = TypeVar("T")
@@ -104,19 +104,13 @@ class FastckptHandler(pafs.FileSystemHandler):
     # ----------------------------------------------------------------------------- loop and stores
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the background loop; fastckpt errors come out as OSError subclasses."""
+        """Run ``coro`` on the background loop (fastckpt's storage and integrity errors are OSErrors)."""
         bg = BackgroundLoop.get()
         owner = (os.getpid(), bg.loop)
         with self._lock:
             if self._owner != owner:  # first use, or a fork / new loop: old clients belong elsewhere
                 self._stores, self._owner = {}, owner
-        try:
-            return bg.run(coro)
-        except FastckptError as exc:
-            translated = as_oserror(exc)
-            if translated is exc:
-                raise
-            raise translated from exc
+        return bg.run(coro)
 
     async def store(self, bucket: str) -> Store:
         """The store of ``bucket`` (created on first use, on the loop)."""
@@ -225,7 +219,7 @@ class FastckptHandler(pafs.FileSystemHandler):
     async def _select(self, base: str, recursive: bool, allow_not_found: bool) -> list[pafs.FileInfo]:
         bucket, key = self.split(base)
         if not bucket:
-            raise NotImplementedError(f"listing all buckets is not supported by fastckpt's {self.backend} facade")
+            raise ArrowNotImplementedError(f"listing all buckets is not supported by fastckpt's {self.backend} facade")
         store = await self.store(bucket)
         kind = (Dir if await self.bucket_exists(store) else NotFound) if not key else (await self.kind(store, key))[0]
         if kind == NotFound:
@@ -482,7 +476,7 @@ class FastckptHandler(pafs.FileSystemHandler):
         """Local files only, as with pyarrow's object stores: the file is rewritten (its content
         streamed, verified, then the appended bytes) and replaced atomically on close."""
         if self._localfs is None:
-            raise NotImplementedError(f"It is not possible to append efficiently to {self.backend} objects")
+            raise ArrowNotImplementedError(f"It is not possible to append efficiently to {self.backend} objects")
         self._check_local_target(path)
         writer = self.run(self._writer(path, _metadata(metadata), append=True))
         return OutputStream(WriterHandle(self.run, writer, path), mode="w")

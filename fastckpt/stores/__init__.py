@@ -18,6 +18,18 @@ _FACTORIES = {
 }
 
 
+def backend_status() -> dict[str, str]:
+    """``available`` for each backend whose module imports, else the import error (for ``fastckpt doctor``)."""
+    status = {}
+    for name, target in _FACTORIES.items():
+        try:
+            importlib.import_module(target.split(":")[0])
+            status[name] = "available"
+        except ImportError as exc:
+            status[name] = f"unavailable: {exc}"
+    return status
+
+
 def open_store(uri: str | StorageURI, config: TransferConfig | None = None) -> Store:
     """A store for ``uri``'s backend and bucket. Keys passed to it are full keys (``uri.key`` + ...)."""
     parsed = parse_uri(uri) if isinstance(uri, str) else uri
@@ -33,4 +45,4 @@ def open_store(uri: str | StorageURI, config: TransferConfig | None = None) -> S
     return factory(parsed, config or TransferConfig.from_env())
 
 
-__all__ = ["MultipartUpload", "ObjectMeta", "PartInfo", "PendingUpload", "Store", "open_store"]
+__all__ = ["MultipartUpload", "ObjectMeta", "PartInfo", "PendingUpload", "Store", "backend_status", "open_store"]

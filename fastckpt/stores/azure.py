@@ -19,7 +19,7 @@ import importlib.util
 import os
 import re
 import secrets
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,7 +33,7 @@ from azure.core.exceptions import (
     ServiceResponseError,
 )
 from azure.core.pipeline.transport import AioHttpTransport
-from azure.storage.blob.aio import BlobClient, ContainerClient
+from azure.storage.blob.aio import BlobClient, BlobPrefix, ContainerClient
 
 from ..config import TransferConfig
 from ..errors import (
@@ -43,8 +43,8 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from ..uri import StorageURI
-from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+from ..uri import StorageURI, parse_flag
+from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
 
 MiB = 1 << 20
 EMULATOR_ACCOUNT = "devstoreaccount1"
@@ -147,7 +147,7 @@ def resolve_endpoint(options: Mapping[str, str], env: Mapping[str, str] | None =
     env_key = env.get("AZURE_STORAGE_ACCOUNT_KEY") or env.get("AZURE_STORAGE_KEY")
     sas = env.get("AZURE_STORAGE_SAS_TOKEN")
     credential: AzureNamedKeyCredential | str | None
-    if options.get("anonymous", "false").lower() in ("", "1", "true", "yes"):
+    if parse_flag("anonymous", options.get("anonymous"), "Azure storage URI"):
         credential, source = None, "anonymous access"
     elif use_conn and conn.get("accountkey"):
         credential = AzureNamedKeyCredential(account, conn["accountkey"])
@@ -329,40 +329,27 @@ class AzureStore(Store):
         except Exception as exc:
             raise self._error(exc, key, if_absent=if_absent) from exc
 
-    async def list(self, prefix: str = "") -> AsyncIterator[ObjectMeta]:
-        prefix = prefix.strip("/")
-        if prefix:
-            try:
-                yield await self.head(prefix)
-            except ContainerNotFoundError:
-                raise
-            except ObjectNotFoundError:
-                pass
-        try:
-            async for item in self._container().list_blobs(name_starts_with=prefix + "/" if prefix else None,
-                                                           include=["metadata"]):
-                if in_prefix(item.name, prefix):
-                    yield ObjectMeta(item.name, item.size, item.last_modified.timestamp(), item.etag,
-                                     _decode_metadata(item.metadata))
-        except Exception as exc:
-            raise self._error(exc, None) from exc
-
-    async def list_dir(self, prefix: str = "") -> tuple[list[ObjectMeta], list[str]]:
-        base = prefix.strip("/")
+    async def list_page(self, prefix: str, delimiter: str | None = None, token: str | None = None) -> ListPage:
+        """One List Blobs request (a hierarchical listing when ``delimiter`` is given)."""
+        container = self._container()
+        options = {"name_starts_with": prefix or None, "include": ["metadata"], "results_per_page": 1000}
+        paged = (container.walk_blobs(delimiter=delimiter, **options) if delimiter
+                 else container.list_blobs(**options))
+        pages = paged.by_page(continuation_token=token)
         objects: list[ObjectMeta] = []
-        dirs: list[str] = []
+        prefixes: list[str] = []
         try:
-            async for item in self._container().walk_blobs(name_starts_with=base + "/" if base else None,
-                                                           include=["metadata"], delimiter="/"):
-                if item.name.endswith("/"):
-                    if item.name != base + "/":  # a "dir/" marker blob of the listed prefix itself
-                        dirs.append(item.name.rstrip("/"))
+            async for item in await pages.__anext__():
+                if isinstance(item, BlobPrefix):
+                    prefixes.append(item.name)
                 else:
                     objects.append(ObjectMeta(item.name, item.size, item.last_modified.timestamp(), item.etag,
                                               _decode_metadata(item.metadata)))
+        except StopAsyncIteration:
+            pass
         except Exception as exc:
             raise self._error(exc, None) from exc
-        return objects, dirs
+        return ListPage(objects, prefixes, pages.continuation_token or None)
 
     async def delete(self, key: str) -> None:
         try:
@@ -385,9 +372,9 @@ class AzureStore(Store):
                 raise result
 
     async def create_multipart(
-        self, key: str, part_size: int, metadata: dict[str, str] | None = None
+        self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
     ) -> MultipartUpload:
-        return AzureUpload(self, key, dict(metadata or {}))
+        return AzureUpload(self, key, dict(metadata or {}), if_absent)
 
     async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         """Blobs that have staged (uncommitted) blocks and no committed version.
@@ -428,8 +415,8 @@ def _redact(text: str) -> str:
 class AzureUpload(MultipartUpload):
     """Blocks staged with fixed-length ids (upload id + 6-digit index), committed in index order."""
 
-    def __init__(self, store: AzureStore, key: str, metadata: dict[str, str]) -> None:
-        self.key, self._store, self._metadata = key, store, metadata
+    def __init__(self, store: AzureStore, key: str, metadata: dict[str, str], if_absent: bool) -> None:
+        self.key, self._store, self._metadata, self._if_absent = key, store, metadata, if_absent
         self.upload_id = secrets.token_hex(9)
         self._closed = False
         self._discarded = False
@@ -457,12 +444,13 @@ class AzureUpload(MultipartUpload):
             raise StoreError(f"multipart upload of {self._store.url(self.key)} is no longer active")
         if [p.index for p in parts] != list(range(len(parts))):
             raise StoreError(f"multipart upload of {self._store.url(self.key)}: parts are not 0..n-1")
+        condition = {"if_none_match": "*"} if self._if_absent else {}
         try:
             await self._store._blob(self.key).commit_block_list(
                 [p.token or self.block_id(p.index) for p in parts],
-                metadata=_encode_metadata(self._metadata if metadata is None else metadata))
+                metadata=_encode_metadata(self._metadata if metadata is None else metadata), **condition)
         except Exception as exc:
-            raise self._store._error(exc, self.key) from exc
+            raise self._store._error(exc, self.key, if_absent=self._if_absent) from exc
         self._closed = self._discarded = True
 
     async def abort(self) -> None:

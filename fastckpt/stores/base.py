@@ -4,6 +4,10 @@ Keys are '/'-separated strings relative to the store's bucket (or, for the local
 Backends know nothing of checkpoints, manifests or digests beyond carrying string metadata.
 Backends raise the exceptions of ``fastckpt.errors``: ObjectNotFoundError, AlreadyExistsError,
 AccessDeniedError, TransientStoreError (retryable) or StoreError.
+
+What is the same for every backend is written here once: a backend that lists through a paged
+service implements only ``list_page`` (one request), and ``list`` / ``list_dir`` derive from it;
+retries live in one wrapper (``stores.retry.RetryingStore``), applied by ``open_store``.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+
+from ..errors import ObjectNotFoundError
 
 Buffer = bytes | bytearray | memoryview
 
@@ -24,6 +30,15 @@ class ObjectMeta:
     mtime: float = 0.0
     etag: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ListPage:
+    """One listing request's answer: objects, sub-prefixes (each ending in the delimiter), next page's token."""
+
+    objects: list[ObjectMeta]
+    prefixes: list[str]
+    token: str | None = None
 
 
 @dataclass(frozen=True)
@@ -60,7 +75,8 @@ class MultipartUpload(abc.ABC):
 
     @abc.abstractmethod
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
-        """Assemble ``parts`` (sorted by index) into the object.
+        """Assemble ``parts`` (sorted by index) into the object; AlreadyExistsError when the upload was
+        created ``if_absent`` and the key exists (the upload stays open: ``abort`` it).
 
         ``metadata`` is applied where the backend can set it at completion
         (``Store.metadata_on_complete``); otherwise the metadata given at creation stands.
@@ -112,14 +128,60 @@ class Store(abc.ABC):
     ) -> None:
         """Write ``key`` whole. With ``if_absent`` raise AlreadyExistsError if it exists."""
 
-    @abc.abstractmethod
-    def list(self, prefix: str = "") -> AsyncIterator[ObjectMeta]:
-        """All objects whose key starts with ``prefix`` + '/' (or equals it), recursively."""
+    async def list_page(self, prefix: str, delimiter: str | None = None, token: str | None = None) -> ListPage:
+        """One listing request: keys starting with the plain string ``prefix`` (grouped into sub-prefixes at
+        ``delimiter`` when given), from the page ``token`` names. Paged backends implement this alone."""
+        raise NotImplementedError(f"{type(self).__name__} does not list in pages")
+
+    @property
+    def paged(self) -> bool:
+        """Whether ``list`` and ``list_dir`` are derived from ``list_page``."""
+        return type(self).list_page is not Store.list_page
+
+    def is_hidden(self, key: str) -> bool:
+        """Whether ``key`` is the backend's own bookkeeping (e.g. temporary parts), never listed."""
+        return False
+
+    async def _pages(self, prefix: str, delimiter: str | None = None) -> AsyncIterator[ListPage]:
+        token = None
+        while True:
+            page = await self.list_page(prefix, delimiter, token)
+            yield page
+            if not page.token:
+                return
+            token = page.token
+
+    def _listed(self, meta: ObjectMeta) -> bool:
+        """Listings skip '/'-terminated directory markers and hidden keys."""
+        return not meta.key.endswith("/") and not self.is_hidden(meta.key)
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectMeta]:
+        """All objects whose key equals ``prefix`` or starts with ``prefix`` + '/', recursively.
+
+        Derived from ``list_page``: the object named exactly ``prefix`` first, then the pages below it.
+        Non-paged backends override this.
+        """
+        base = prefix.strip("/")
+        if base and not self.is_hidden(base):
+            try:
+                yield await self.head(base)
+            except ObjectNotFoundError:
+                pass
+        async for page in self._pages(base + "/" if base else ""):
+            for meta in page.objects:
+                if self._listed(meta):
+                    yield meta
 
     async def list_dir(self, prefix: str = "") -> tuple[list[ObjectMeta], list[str]]:
         """Objects directly below ``prefix`` and the names of its sub-'directories' (full keys)."""
         base = prefix.strip("/")
         objects: list[ObjectMeta] = []
+        if self.paged:
+            found: list[str] = []
+            async for page in self._pages(base + "/" if base else "", "/"):
+                objects += [m for m in page.objects if self._listed(m)]
+                found += [p.rstrip("/") for p in page.prefixes if not self.is_hidden(p)]
+            return objects, found
         dirs: dict[str, None] = {}
         async for meta in self.list(base):
             rest = meta.key[len(base) + 1 :] if base else meta.key
@@ -140,9 +202,13 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def create_multipart(
-        self, key: str, part_size: int, metadata: dict[str, str] | None = None
+        self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
     ) -> MultipartUpload:
-        """Start a multipart upload of ``key`` whose parts (but the last) are ``part_size`` bytes."""
+        """Start a multipart upload of ``key`` whose parts (but the last) are ``part_size`` bytes.
+
+        With ``if_absent``, ``complete`` raises AlreadyExistsError (and stores nothing) when ``key``
+        exists by then: the object is created atomically only if absent, as ``put(if_absent=True)``.
+        """
 
     async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         """Multipart uploads under ``prefix`` never completed or aborted (for gc)."""

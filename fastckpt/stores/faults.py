@@ -91,10 +91,10 @@ class FaultInjectingStore(Store):
         await self.inner.delete(key)
 
     async def create_multipart(
-        self, key: str, part_size: int, metadata: dict[str, str] | None = None
+        self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
     ) -> MultipartUpload:
         await self.fault("create_multipart", key)
-        return _FaultyUpload(self, await self.inner.create_multipart(key, part_size, metadata))
+        return _FaultyUpload(self, await self.inner.create_multipart(key, part_size, metadata, if_absent=if_absent))
 
     async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         return await self.inner.list_pending_uploads(prefix)

@@ -6,7 +6,13 @@ hidden prefix tied to the upload (``<dir>/.fastckpt-parts/<name>.<upload_id>/<in
 into the target, setting its metadata, then deletes the temporaries. ``abort`` deletes everything
 under the upload's prefix; ``list`` / ``list_dir`` never show it, ``list_pending_uploads`` finds it.
 
-Create-if-absent uses ``ifGenerationMatch=0``. Every upload carries its CRC32C, which GCS checks;
+Create-if-absent uses ``ifGenerationMatch=0``, on uploads and on the final compose of a composite
+upload. Some emulators (fake-gcs-server) ignore it on compose: ``FASTCKPT_GCS_IF_ABSENT`` decides what
+happens there. ``auto`` (default): trusted on Google's endpoint; on a custom endpoint probed once per
+endpoint and bucket, and where ignored, a create-if-absent compose raises StoreError rather than risk
+an overwrite. ``trust``: no probe. ``best-effort``: where ignored, HEAD before the compose (racy).
+
+Every upload carries its CRC32C, which GCS checks;
 the CRC32C the server reports back is compared too, so an emulator that does not check is covered.
 
 Metadata, listing, deletes and ranged downloads go through ``gcloud.aio.storage.Storage``; uploads
@@ -42,7 +48,7 @@ from gcloud.aio.storage import Storage
 from ..config import TransferConfig
 from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError, TransientStoreError
 from ..uri import StorageURI
-from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
 
 T = TypeVar("T")
 log = logging.getLogger("fastckpt")
@@ -56,18 +62,15 @@ CONTENT_TYPE = "application/octet-stream"
 _PART_RE = re.compile(r"^(?P<dir>(?:.*/)?)" + re.escape(PARTS_DIR) + r"/(?P<name>[^/]+)\.(?P<id>[0-9a-f]+)/[^/]+$")
 _CRC_OFF_LOOP = 1 << 20
 _CRC_STEP = 4 << 20
-_TRUE = ("1", "true", "yes", "on")
+_IF_ABSENT_MODES = ("auto", "trust", "best-effort")
+# (endpoint, bucket) -> whether compose honours ifGenerationMatch=0 (probed once).
+_COMPOSE_CONDITIONAL: dict[tuple[str, str], bool] = {}
 
 
 def parts_prefix(key: str, upload_id: str) -> str:
     """Hidden prefix (ending in '/') of the temporary part objects of upload ``upload_id`` of ``key``."""
     head, _, name = key.rpartition("/")
     return f"{head}/{PARTS_DIR}/{name}.{upload_id}/" if head else f"{PARTS_DIR}/{name}.{upload_id}/"
-
-
-def is_hidden(key: str) -> bool:
-    """Whether ``key`` is a temporary part of a composite upload."""
-    return f"/{PARTS_DIR}/" in f"/{key}"
 
 
 def _crc32c_sync(data: memoryview) -> str:
@@ -127,9 +130,9 @@ class _HTTPStatus(Exception):
 class GCSUpload(MultipartUpload):
     """A parallel composite upload: parts are temporary objects composed on ``complete``."""
 
-    def __init__(self, store: GCSStore, key: str, metadata: dict[str, str]) -> None:
+    def __init__(self, store: GCSStore, key: str, metadata: dict[str, str], if_absent: bool) -> None:
         self.key, self.upload_id = key, secrets.token_hex(8)
-        self._store, self._metadata = store, metadata
+        self._store, self._metadata, self._if_absent = store, metadata, if_absent
         self.prefix = parts_prefix(key, self.upload_id)
         self._sizes: dict[int, int] = {}
         self._closed = False
@@ -160,7 +163,7 @@ class GCSUpload(MultipartUpload):
                              "are not 0..n-1 as uploaded")
         meta = metadata or self._metadata
         if not parts:
-            await self._store.put(self.key, b"", metadata=meta)
+            await self._store.put(self.key, b"", metadata=meta, if_absent=self._if_absent)
         else:
             sources, level, temps = [self._part(i) for i in indexes], 0, []
             while len(sources) > COMPOSE_LIMIT:
@@ -169,7 +172,9 @@ class GCSUpload(MultipartUpload):
                 await _bounded([self._store.compose(n, g) for n, g in zip(names, groups, strict=True)])
                 temps += names
                 sources, level = names, level + 1
-            result = await self._store.compose(self.key, sources, meta)
+            if self._if_absent:
+                await self._store.check_compose_if_absent(self.key)
+            result = await self._store.compose(self.key, sources, meta, if_absent=self._if_absent)
             expected = sum(self._sizes[i] for i in indexes)
             if int(result.get("size", expected)) != expected:
                 raise StoreError(f"compose of {self._store.url(self.key)} made {result.get('size')} bytes, "
@@ -198,7 +203,12 @@ class GCSStore(Store):
         endpoint: str | None = None,
         anonymous: bool | None = None,
         max_connections: int = 64,
+        if_absent_mode: str = "auto",
     ) -> None:
+        if if_absent_mode not in _IF_ABSENT_MODES:
+            raise ValueError(f"invalid create-if-absent mode {if_absent_mode!r}: expected one of {_IF_ABSENT_MODES}")
+        self.if_absent_mode = if_absent_mode
+        self._probe_lock = asyncio.Lock()
         emulator = os.environ.get("STORAGE_EMULATOR_HOST", "").strip()
         if endpoint and not re.match(r"^https?://", endpoint):
             raise ValueError(f"GCS endpoint_override {endpoint!r} must start with http:// or https://")
@@ -364,16 +374,53 @@ class GCSStore(Store):
                                       "the object was removed")
         return result
 
-    async def compose(self, key: str, sources: list[str], metadata: dict[str, str] | None = None
-                      ) -> dict[str, Any]:
-        """Compose up to 32 ``sources`` (in order) into ``key`` with ``metadata``."""
+    async def compose(self, key: str, sources: list[str], metadata: dict[str, str] | None = None, *,
+                      if_absent: bool = False) -> dict[str, Any]:
+        """Compose up to 32 ``sources`` (in order) into ``key`` with ``metadata`` (``ifGenerationMatch=0``
+        with ``if_absent``)."""
         payload = {"sourceObjects": [{"name": s} for s in sources],
                    "destination": {"contentType": CONTENT_TYPE, "metadata": metadata or {}}}
+        params = {"ifGenerationMatch": "0"} if if_absent else None
 
         async def send(_: Storage, headers: dict[str, str]) -> dict[str, Any]:
-            return await self._send("POST", f"{self._object_url(key)}/compose", headers=headers, json=payload)
+            return await self._send("POST", f"{self._object_url(key)}/compose", headers=headers, json=payload,
+                                    params=params)
 
         return await self._call(f"compose of {self.url(key)}", send)
+
+    async def check_compose_if_absent(self, key: str) -> None:
+        """Make a create-if-absent compose of ``key`` safe: return when the server honours
+        ``ifGenerationMatch=0`` on compose; else StoreError, or in best-effort mode AlreadyExistsError
+        when ``key`` exists."""
+        if self.if_absent_mode == "trust" or self.endpoint == DEFAULT_ENDPOINT:
+            return
+        cache = (self.endpoint, self.bucket)
+        async with self._probe_lock:
+            if cache not in _COMPOSE_CONDITIONAL:
+                _COMPOSE_CONDITIONAL[cache] = await self._probe_compose(key)
+        if _COMPOSE_CONDITIONAL[cache]:
+            return
+        if self.if_absent_mode != "best-effort":
+            raise StoreError(f"GCS endpoint {self.endpoint} ignores ifGenerationMatch=0 on compose, so a "
+                             f"create-if-absent of {self.url(key)} cannot be made safe; set "
+                             "FASTCKPT_GCS_IF_ABSENT=best-effort to accept a HEAD-then-compose (racy)")
+        try:
+            await self.head(key)
+        except ObjectNotFoundError:
+            return
+        raise AlreadyExistsError(f"{self.url(key)} already exists")
+
+    async def _probe_compose(self, key: str) -> bool:
+        """Whether a compose onto an existing throw-away object with ``ifGenerationMatch=0`` is refused."""
+        probe = f"{key.rsplit('/', 1)[0] + '/' if '/' in key else ''}{PARTS_DIR}/probe.{secrets.token_hex(8)}/0"
+        await self.put(probe, b"")
+        try:
+            await self.compose(probe, [probe], if_absent=True)
+            return False
+        except AlreadyExistsError:
+            return True
+        finally:
+            await self.delete_quietly([probe])
 
     async def put(
         self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None
@@ -382,9 +429,9 @@ class GCSStore(Store):
             await self.upload_object(key, view, metadata, if_absent=if_absent)
 
     async def create_multipart(
-        self, key: str, part_size: int, metadata: dict[str, str] | None = None
+        self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
     ) -> MultipartUpload:
-        return GCSUpload(self, key, dict(metadata or {}))
+        return GCSUpload(self, key, dict(metadata or {}), if_absent)
 
     async def delete(self, key: str) -> None:
         try:
@@ -406,7 +453,7 @@ class GCSStore(Store):
 
     async def delete_prefix(self, prefix: str) -> None:
         """Delete every object whose name starts with ``prefix``, hidden ones included."""
-        await self.delete_many([item["name"] async for item in self._items(prefix)])
+        await self.delete_many([m.key async for page in self._pages(prefix) for m in page.objects])
 
     # ----------------------------------------------------------------------------- reads
 
@@ -458,44 +505,21 @@ class GCSStore(Store):
 
         return await self._call(self.url(key), read)
 
-    async def _pages(self, prefix: str, delimiter: str | None = None
-                     ) -> AsyncIterator[tuple[list[dict[str, Any]], list[str]]]:
-        """(objects, sub-prefixes) of each listing page of ``prefix``."""
+    async def list_page(self, prefix: str, delimiter: str | None = None, token: str | None = None) -> ListPage:
+        """One objects.list request."""
         params = {"prefix": prefix, "maxResults": "1000"}
         if delimiter:
             params["delimiter"] = delimiter
-        while True:
-            page = await self._call(f"listing of {self.url(prefix)}", lambda c, h: c.list_objects(
-                self.bucket, params=dict(params), headers=h, timeout=self._timeout))  # type: ignore[arg-type]
-            yield page.get("items", []), page.get("prefixes", [])
-            if not page.get("nextPageToken"):
-                return
-            params["pageToken"] = page["nextPageToken"]
+        if token:
+            params["pageToken"] = token
+        page = await self._call(f"listing of {self.url(prefix)}", lambda c, h: c.list_objects(
+            self.bucket, params=params, headers=h, timeout=self._timeout))  # type: ignore[arg-type]
+        return ListPage([self._meta(i) for i in page.get("items", [])], list(page.get("prefixes", [])),
+                        page.get("nextPageToken") or None)
 
-    async def _items(self, prefix: str) -> AsyncIterator[dict[str, Any]]:
-        async for items, _ in self._pages(prefix):
-            for item in items:
-                yield item
-
-    async def list(self, prefix: str = "") -> AsyncIterator[ObjectMeta]:
-        base = prefix.strip("/")
-        if base and not is_hidden(base):
-            try:
-                yield await self.head(base)
-            except ObjectNotFoundError:
-                pass
-        async for item in self._items(base + "/" if base else ""):
-            if not is_hidden(item["name"]) and not item["name"].endswith("/"):  # skip folder placeholders
-                yield self._meta(item)
-
-    async def list_dir(self, prefix: str = "") -> tuple[list[ObjectMeta], list[str]]:
-        base = prefix.strip("/")
-        objects: list[ObjectMeta] = []
-        dirs: list[str] = []
-        async for items, prefixes in self._pages(base + "/" if base else "", delimiter="/"):
-            objects += [self._meta(i) for i in items if not i["name"].endswith("/")]
-            dirs += [p.rstrip("/") for p in prefixes if p.rstrip("/").rpartition("/")[2] != PARTS_DIR]
-        return objects, dirs
+    def is_hidden(self, key: str) -> bool:
+        """Temporary parts of composite uploads."""
+        return f"/{PARTS_DIR}/" in f"/{key}"
 
     # ----------------------------------------------------------------------------- gc
 
@@ -507,12 +531,12 @@ class GCSStore(Store):
             scans.append(f"{head}/{PARTS_DIR}/{name}." if head else f"{PARTS_DIR}/{name}.")
         found: dict[tuple[str, str], float] = {}
         for scan in scans:
-            async for item in self._items(scan):
-                match = _PART_RE.match(item["name"])
-                if match and in_prefix(match["dir"] + match["name"], base):
-                    ident = (match["dir"] + match["name"], match["id"])
-                    started = _parse_time(item.get("timeCreated"))
-                    found[ident] = min(found.get(ident, started), started)
+            async for page in self._pages(scan):
+                for meta in page.objects:
+                    match = _PART_RE.match(meta.key)
+                    if match and in_prefix(match["dir"] + match["name"], base):
+                        ident = (match["dir"] + match["name"], match["id"])
+                        found[ident] = min(found.get(ident, meta.mtime), meta.mtime)
         return [PendingUpload(key, upload_id, started) for (key, upload_id), started in sorted(found.items())]
 
     async def abort_pending_upload(self, upload: PendingUpload) -> None:
@@ -527,10 +551,10 @@ class GCSStore(Store):
 def from_uri(uri: StorageURI, config: TransferConfig) -> GCSStore:
     """Store for ``gs://bucket/...``; options ``endpoint_override`` and ``anonymous`` (``project`` is
     accepted but object requests do not need it)."""
-    anonymous = uri.options.get("anonymous")
     return GCSStore(
         uri.bucket,
         endpoint=uri.options.get("endpoint_override") or None,
-        anonymous=None if anonymous is None else anonymous.lower() in _TRUE,
+        anonymous=uri.flag("anonymous"),
         max_connections=max(64, 2 * config.max_in_flight),
+        if_absent_mode=os.environ.get("FASTCKPT_GCS_IF_ABSENT", "auto").strip().lower(),
     )

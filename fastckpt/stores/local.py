@@ -70,11 +70,22 @@ def _get_xattrs(path: str) -> dict[str, str]:
         return {}
 
 
+def _publish(tmp: str, path: str, if_absent: bool) -> None:
+    """Move the finished ``tmp`` to ``path``: a hard link when ``if_absent`` (atomic create-if-absent,
+    also on NFS; FileExistsError if ``path`` exists, ``tmp`` is then left for the caller), else a rename."""
+    if if_absent:
+        os.link(tmp, path)
+        os.unlink(tmp)
+    else:
+        os.replace(tmp, path)
+
+
 class LocalUpload(MultipartUpload):
     """Parts ``pwrite``-n into one temporary file at ``index * part_size``."""
 
-    def __init__(self, store: LocalStore, key: str, part_size: int, metadata: dict[str, str]) -> None:
+    def __init__(self, store: LocalStore, key: str, part_size: int, metadata: dict[str, str], if_absent: bool) -> None:
         self.key, self._store, self._part_size, self._metadata = key, store, part_size, metadata
+        self._if_absent = if_absent
         self._path = store.path(key)
         self.upload_id = _tmp_path(self._path)
         self._fd: int | None = os.open(self.upload_id, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -103,12 +114,15 @@ class LocalUpload(MultipartUpload):
             finally:
                 os.close(fd)
             _set_xattrs(self.upload_id, metadata or self._metadata)
-            os.replace(self.upload_id, self._path)
+            _publish(self.upload_id, self._path, self._if_absent)
             if self._store.fsync:
                 _fsync_dir(os.path.dirname(self._path))
 
         try:
             await asyncio.to_thread(finish)
+        except FileExistsError as exc:
+            await self.abort()
+            raise AlreadyExistsError(f"{self._path} already exists") from exc
         except OSError as exc:
             await self.abort()
             raise _translate(exc, self._path) from exc
@@ -193,11 +207,7 @@ class LocalStore(Store):
                 finally:
                     os.close(fd)
                 _set_xattrs(tmp, metadata or {})
-                if if_absent:
-                    os.link(tmp, path)  # atomic create-if-absent, also on NFS
-                    os.unlink(tmp)
-                else:
-                    os.replace(tmp, path)
+                _publish(tmp, path, if_absent)
             except BaseException:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
@@ -263,12 +273,12 @@ class LocalStore(Store):
             raise _translate(exc, path) from exc
 
     async def create_multipart(
-        self, key: str, part_size: int, metadata: dict[str, str] | None = None
+        self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
     ) -> MultipartUpload:
         path = self.path(key)
         try:
             await asyncio.to_thread(os.makedirs, os.path.dirname(path), exist_ok=True)
-            return LocalUpload(self, key, part_size, dict(metadata or {}))
+            return LocalUpload(self, key, part_size, dict(metadata or {}), if_absent)
         except OSError as exc:
             raise _translate(exc, path) from exc
 

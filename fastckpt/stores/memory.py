@@ -42,8 +42,8 @@ def clear_memory_buckets() -> None:
 class MemoryUpload(MultipartUpload):
     """Parts held in a dict until completion."""
 
-    def __init__(self, bucket: _Bucket, key: str, part_size: int, metadata: dict[str, str]) -> None:
-        self.key, self.upload_id = key, f"mem-{next(_ids)}"
+    def __init__(self, bucket: _Bucket, key: str, part_size: int, metadata: dict[str, str], if_absent: bool) -> None:
+        self.key, self.upload_id, self._if_absent = key, f"mem-{next(_ids)}", if_absent
         self._bucket, self._part_size, self._metadata = bucket, part_size, metadata
         self._parts: dict[int, bytes] = {}
         self.started = time.time()
@@ -56,8 +56,11 @@ class MemoryUpload(MultipartUpload):
         return PartInfo(index, len(data))
 
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
-        if self._bucket.pending.pop(self.upload_id, None) is None:
+        if self.upload_id not in self._bucket.pending:
             raise StoreError(f"multipart upload of {self.key!r} is no longer active")
+        if self._if_absent and self.key in self._bucket.objects:
+            raise AlreadyExistsError(f"memory://{self.key} already exists")
+        del self._bucket.pending[self.upload_id]
         indexes = [p.index for p in parts]
         if indexes != list(range(len(parts))) or any(i not in self._parts for i in indexes):
             raise StoreError(f"multipart upload of {self.key!r}: parts {indexes} are not 0..n-1 as uploaded")
@@ -110,9 +113,9 @@ class MemoryStore(Store):
         self._b.objects.pop(key, None)
 
     async def create_multipart(
-        self, key: str, part_size: int, metadata: dict[str, str] | None = None
+        self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
     ) -> MultipartUpload:
-        return MemoryUpload(self._b, key, part_size, dict(metadata or {}))
+        return MemoryUpload(self._b, key, part_size, dict(metadata or {}), if_absent)
 
     async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         return [PendingUpload(u.key, u.upload_id, u.started) for u in self._b.pending.values()

@@ -46,7 +46,6 @@ import hashlib
 import os
 import posixpath
 import secrets
-from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -72,7 +71,7 @@ from botocore.exceptions import (
 from ..config import TransferConfig
 from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError, TransientStoreError
 from ..uri import StorageURI
-from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
 
 MiB = 1 << 20
 DELETE_BATCH = 1000
@@ -189,9 +188,9 @@ def _content_md5(request: Any, **_: Any) -> None:
 class S3Upload(MultipartUpload):
     """One S3 multipart upload; parts are numbered ``index + 1``."""
 
-    def __init__(self, store: S3Store, key: str, upload_id: str) -> None:
+    def __init__(self, store: S3Store, key: str, upload_id: str, if_absent: bool = False) -> None:
         self.key, self.upload_id = key, upload_id
-        self._store = store
+        self._store, self._if_absent = store, if_absent
         self._finished = False
         self._complete_sent = False
 
@@ -208,10 +207,11 @@ class S3Upload(MultipartUpload):
         if self._finished:
             raise StoreError(f"multipart upload of {self._store.where(self.key)} is no longer active")
         listing = [{"PartNumber": p.index + 1, "ETag": p.token} for p in sorted(parts, key=lambda p: p.index)]
+        condition = await self._store.if_absent_params(self.key) if self._if_absent else {}
         retry, self._complete_sent = self._complete_sent, True
         try:
-            await self._store.call("complete_multipart_upload", self.key, Key=self.key, UploadId=self.upload_id,
-                                   MultipartUpload={"Parts": listing})
+            await self._store.call("complete_multipart_upload", self.key, if_absent=self._if_absent, Key=self.key,
+                                   UploadId=self.upload_id, MultipartUpload={"Parts": listing}, **condition)
         except _NoSuchUpload:
             # A retried complete whose first attempt succeeded but lost its response.
             if not retry or not await self._store.exists_with_size(self.key, sum(p.size for p in parts)):
@@ -476,39 +476,17 @@ class S3Store(Store):
             raise StoreError(f"{self.where(key)}: endpoint {self.endpoint} ignored the Range header")
         return resp
 
-    async def list(self, prefix: str = "") -> AsyncIterator[ObjectMeta]:
-        """Objects at or below ``prefix``; '/'-terminated directory markers are skipped."""
-        prefix = prefix.strip("/")
-        if prefix:  # the object named exactly ``prefix`` sorts first among keys starting with it
-            resp = await self.call("list_objects_v2", prefix, Prefix=prefix, MaxKeys=1)
-            for obj in resp.get("Contents", []):
-                if obj["Key"] == prefix:
-                    yield self._meta(obj)
-        async for page in self._pages(prefix + "/" if prefix else ""):
-            for obj in page.get("Contents", []):
-                if not obj["Key"].endswith("/"):
-                    yield self._meta(obj)
-
-    async def list_dir(self, prefix: str = "") -> tuple[list[ObjectMeta], list[str]]:
-        base = prefix.strip("/")
-        objects: list[ObjectMeta] = []
-        dirs: list[str] = []
-        async for page in self._pages(base + "/" if base else "", delimiter="/"):
-            objects += [self._meta(o) for o in page.get("Contents", []) if not o["Key"].endswith("/")]
-            dirs += [p["Prefix"].rstrip("/") for p in page.get("CommonPrefixes", [])]
-        return objects, dirs
-
-    async def _pages(self, prefix: str, delimiter: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def list_page(self, prefix: str, delimiter: str | None = None, token: str | None = None) -> ListPage:
+        """One ListObjectsV2 request."""
         params: dict[str, Any] = {"Prefix": prefix, "MaxKeys": self.page_size}
         if delimiter:
             params["Delimiter"] = delimiter
-        while True:
-            page = await self.call("list_objects_v2", prefix, **params)
-            yield page
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
-                return
+        if token:
             params["ContinuationToken"] = token
+        page = await self.call("list_objects_v2", prefix, **params)
+        return ListPage([self._meta(o) for o in page.get("Contents", [])],
+                        [p["Prefix"] for p in page.get("CommonPrefixes", [])],
+                        page.get("NextContinuationToken") if page.get("IsTruncated") else None)
 
     @staticmethod
     def _meta(obj: dict[str, Any]) -> ObjectMeta:
@@ -523,17 +501,24 @@ class S3Store(Store):
         body, size = _body(data, self.copy_bodies)
         params: dict[str, Any] = {"Key": key, "Body": body, "ContentLength": size, "Metadata": dict(metadata or {})}
         if if_absent:
-            if await self._conditional_supported(key):
-                params["IfNoneMatch"] = "*"
-            elif self.if_absent_mode == "best-effort":
-                if await self._exists(key):
-                    raise AlreadyExistsError(f"{self.where(key)} already exists")
-            else:
-                raise StoreError(
-                    f"endpoint {self.endpoint} ignores If-None-Match: * on PutObject, so create-if-absent of "
-                    f"{self.where(key)} cannot be made safe; set FASTCKPT_S3_IF_ABSENT=best-effort to accept "
-                    "a HEAD-then-PUT (racy) instead")
+            params.update(await self.if_absent_params(key))
         await self.call("put_object", key, if_absent=if_absent, **params)
+
+    async def if_absent_params(self, key: str) -> dict[str, str]:
+        """Request parameters that make a PutObject or CompleteMultipartUpload of ``key`` create-if-absent.
+
+        ``If-None-Match: *`` where the server honours it; in best-effort mode on servers that ignore it,
+        a HEAD first (AlreadyExistsError when present; racy); otherwise StoreError.
+        """
+        if await self._conditional_supported(key):
+            return {"IfNoneMatch": "*"}
+        if self.if_absent_mode != "best-effort":
+            raise StoreError(
+                f"endpoint {self.endpoint} ignores If-None-Match: *, so create-if-absent of {self.where(key)} "
+                "cannot be made safe; set FASTCKPT_S3_IF_ABSENT=best-effort to accept a HEAD-then-write (racy)")
+        if await self._exists(key):
+            raise AlreadyExistsError(f"{self.where(key)} already exists")
+        return {}
 
     async def _exists(self, key: str) -> bool:
         try:
@@ -593,10 +578,10 @@ class S3Store(Store):
             raise type(error)(f"{len(failures)} of {len(keys)} deletes failed; first: {error}")
 
     async def create_multipart(
-        self, key: str, part_size: int, metadata: dict[str, str] | None = None
+        self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
     ) -> MultipartUpload:
         resp = await self.call("create_multipart_upload", key, Key=key, Metadata=dict(metadata or {}))
-        return S3Upload(self, key, resp["UploadId"])
+        return S3Upload(self, key, resp["UploadId"], if_absent)
 
     async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         prefix = prefix.strip("/")
@@ -628,7 +613,7 @@ def from_uri(uri: StorageURI, config: TransferConfig) -> S3Store:
         endpoint_url=endpoint,
         region=opts.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None,
         profile=opts.get("profile") or None,
-        anonymous=_truthy(opts.get("anonymous")),
+        anonymous=bool(uri.flag("anonymous")),
         addressing_style=opts.get("addressing_style") or None,
         use_ssl=(opts.get("scheme") or "https").lower() != "http",
         max_pool_connections=config.max_in_flight + POOL_HEADROOM,

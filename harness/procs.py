@@ -1,8 +1,16 @@
-"""Process helpers shared by the test servers."""
+"""Process helpers shared by the emulator launchers."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 10) -> None:
