@@ -7,6 +7,7 @@ import posixpath
 
 from ._loop import run_sync
 from .config import TransferConfig
+from .engine.io import local_files
 from .engine.progress import ProgressCallback
 from .engine.transfer import FileResult, Transfer
 from .errors import ObjectNotFoundError
@@ -22,17 +23,6 @@ def _target(uri: str | StorageURI) -> StorageURI:
         raise ValueError(f"{parsed.raw!r}: scheme {parsed.scheme!r} is not a fastckpt backend; "
                          "use fastckpt.fs.filesystem() to reach it through pyarrow")
     return parsed
-
-
-def local_files(src: str) -> list[tuple[str, str]]:
-    """(path, relative '/'-path) of every file below directory ``src``, sorted."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(src):
-        dirnames.sort()
-        for name in sorted(filenames):
-            path = os.path.join(dirpath, name)
-            out.append((path, os.path.relpath(path, src).replace(os.sep, "/")))
-    return out
 
 
 async def upload_async(

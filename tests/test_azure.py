@@ -45,7 +45,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def offline_store() -> AzureStore:
-    return open_store("az://c0ntainer/x?account=acct&anonymous=true")  # type: ignore[return-value]
+    return open_store("az://c0ntainer/x?account=acct&anonymous=true", retry=False)  # type: ignore[return-value]
 
 
 # ----------------------------------------------------------------------------- limits

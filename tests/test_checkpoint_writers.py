@@ -56,10 +56,8 @@ async def assert_holds(uri: str, tmp_path, small: bytes, big: bytes) -> None:
 @pytest.mark.parametrize("attempts", list(ATTEMPTS), ids=list(ATTEMPTS))
 async def test_loser_after_the_commit_writes_nothing(store_uri: str, tmp_path, attempts: str) -> None:
     """Both writers enter; A writes and commits; B's writes then fail before touching A's files."""
-    uri = ckpt(store_uri, "step-1")
-    first, second = ATTEMPTS[attempts]
-    a_small, a_big, small, big = sources(tmp_path, "a")
-    b_small, b_big, _, _ = sources(tmp_path, "b")
+    uri, (first, second) = ckpt(store_uri, "step-1"), ATTEMPTS[attempts]
+    (a_small, a_big, small, big), (b_small, b_big, _, _) = sources(tmp_path, "a"), sources(tmp_path, "b")
     manifest = rank_key(meta_prefix(parse_uri(uri).key), first, 0)
 
     b = writer(uri, second)
@@ -81,10 +79,8 @@ async def test_loser_after_the_commit_writes_nothing(store_uri: str, tmp_path, a
 @pytest.mark.parametrize("attempts", list(ATTEMPTS), ids=list(ATTEMPTS))
 async def test_replaced_files_fail_the_first_commit(store_uri: str, tmp_path, attempts: str) -> None:
     """A writes but has not committed; B takes the names over (A looks dead). A's commit then fails, B's wins."""
-    uri = ckpt(store_uri, "step-2")
-    first, second = ATTEMPTS[attempts]
-    a_small, a_big, _, _ = sources(tmp_path, "a")
-    b_small, b_big, small, big = sources(tmp_path, "b")
+    uri, (first, second) = ckpt(store_uri, "step-2"), ATTEMPTS[attempts]
+    (a_small, a_big, _, _), (b_small, b_big, small, big) = sources(tmp_path, "a"), sources(tmp_path, "b")
 
     a, b = writer(uri, first), writer(uri, second)
     await a.__aenter__()

@@ -360,7 +360,7 @@ async def test_endpoint_override_reaches_local_server(moto_server, monkeypatch, 
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     else:
         monkeypatch.setenv(how, moto_server.endpoint)
-    store = open_store(uri, small_config())
+    store = open_store(uri, small_config(), retry=False)
     try:
         assert isinstance(store, S3Store)
         assert store.endpoint_url == moto_server.endpoint and store.addressing_style == "path"
@@ -432,7 +432,7 @@ async def test_list_pagination_and_batched_deletes(s3) -> None:
         client.meta.events.register(f"before-call.s3.{op}", count)
     keys = [uri.join(f"p/{i:02d}") for i in range(7)]
     await asyncio.gather(*(store.put(k, b"x") for k in keys))
-    store.page_size = 2
+    store.inner.page_size = 2  # the backend behind the retry layer
     assert [m.key async for m in store.list(uri.join("p"))] == keys
     assert (calls["HeadObject"], calls["ListObjectsV2"]) == (1, 4)  # the exact key, then four pages of two
     objects, dirs = await store.list_dir(uri.key)

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from ..config import TransferConfig
-from ..engine.retry import with_retries
 from ..engine.tasks import gather_all
 from ..errors import CheckpointError, ObjectNotFoundError
 from ..stores.base import Store
@@ -71,7 +70,7 @@ class Rendezvous:
         if self.writer is not None:
             await self.writer(key, data)
         else:
-            await with_retries(lambda: self.store.put(key, data), self.config, f"write of {key}")
+            await self.store.put(key, data)
 
 
 class Barrier(abc.ABC):
@@ -163,8 +162,7 @@ class StoreBarrier(Barrier):
         async def read(rank: int, size: int) -> None:
             key = rank_key(rv.prefix, tag, rank)
             async with limit:
-                got[rank] = await with_retries(lambda: rv.store.get_range(key, 0, size), rv.config,
-                                               f"read of {key}")
+                got[rank] = await rv.store.get_range(key, 0, size)
 
         while True:
             present = await self._arrived(rv, tag)
@@ -190,14 +188,14 @@ class StoreBarrier(Barrier):
                     found[rank] = meta.size
             return found
 
-        return await with_retries(listing, rv.config, f"listing of {base}")
+        return await listing()
 
     async def broadcast(self, rv: Rendezvous, tag: str, payload: bytes | None) -> bytes:
         key = join_key(rv.prefix, tag, BROADCAST_NAME)
         if rv.rank == 0:
             if payload is None:
                 raise ValueError("the root must broadcast a payload")
-            await with_retries(lambda: rv.store.put(key, payload), rv.config, f"write of {key}")
+            await rv.store.put(key, payload)
             return payload
         backoff = _Backoff(self.poll_interval, self.max_poll_interval, 2 * self.timeout)
         while True:

@@ -18,7 +18,6 @@ from typing import TypeVar
 from .._loop import run_sync
 from ..config import TransferConfig
 from ..engine.progress import ProgressCallback
-from ..engine.retry import with_retries
 from ..engine.transfer import FileResult, Transfer
 from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError, StoreError
 from ..integrity import FileDigest
@@ -135,7 +134,7 @@ async def _list(store: Store, prefix: str, config: TransferConfig) -> list[Objec
     async def run() -> list[ObjectMeta]:
         return [m async for m in store.list(prefix)]
 
-    return await with_retries(run, config, f"listing of {prefix}")
+    return await run()
 
 
 async def _bounded(aws: list[Awaitable[T]]) -> list[T]:
@@ -153,7 +152,7 @@ async def _candidates(store: Store, base: str, config: TransferConfig) -> list[t
     own = await _list(store, meta_prefix(base), config)
     if own:
         return [(base, own)]
-    _, dirs = await with_retries(lambda: store.list_dir(base), config, f"listing of {base}")
+    _, dirs = await store.list_dir(base)
     metas = await _bounded([_list(store, meta_prefix(d), config) for d in dirs])
     return [(d, m) for d, m in zip(dirs, metas, strict=True) if m]
 
@@ -394,7 +393,7 @@ async def gc_async(uri: str | StorageURI, older_than_s: float = 24 * 3600.0, dry
         now = time.time()
         found = dict(await _candidates(store, base.key, cfg))
         pending: dict[str, list[PendingUpload]] = {}
-        for up in await with_retries(lambda: store.list_pending_uploads(base.key), cfg, "listing of uploads"):
+        for up in await store.list_pending_uploads(base.key):
             root = base.key if base.key in found else _child_of(base.key, up.key)
             if root is not None:
                 pending.setdefault(root, []).append(up)
@@ -444,9 +443,9 @@ async def _gc_one(store: Store, base: StorageURI, key: str, is_checkpoint: bool,
     if report.dry_run:
         return
     for up in old_uploads:
-        await with_retries(lambda u=up: store.abort_pending_upload(u), cfg, f"abort of upload of {up.key}")
+        await store.abort_pending_upload(up)
     if doomed:
-        await with_retries(lambda: store.delete_many([m.key for m in doomed]), cfg, f"gc of {key}")
+        await store.delete_many([m.key for m in doomed])
 
 
 # ----------------------------------------------------------------------------- sync twins

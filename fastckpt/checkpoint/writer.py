@@ -30,15 +30,15 @@ from types import TracebackType
 from typing import cast
 
 from .._loop import BackgroundLoop
-from ..api import local_files
 from ..config import TransferConfig
+from ..engine.io import local_files
 from ..engine.progress import ProgressCallback
-from ..engine.retry import with_retries
 from ..engine.transfer import FileResult, Transfer
 from ..errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
 from ..integrity import FileDigest
 from ..stores import open_store
 from ..stores.base import Store
+from ..stores.retry import retrying
 from ..uri import StorageURI, parse_uri
 from .barrier import Barrier, BarrierError, BarrierTimeoutError, Rendezvous, default_barrier
 from .manifest import (
@@ -162,8 +162,7 @@ class CheckpointWriter:
     async def __aenter__(self) -> CheckpointWriter:
         if self._transfer is not None or self._closed:
             raise CheckpointError("a CheckpointWriter writes one checkpoint once; create a new one")
-        if self._store is None:
-            self._store = open_store(self.uri, self.config)
+        self._store = open_store(self.uri, self.config) if self._store is None else retrying(self._store, self.config)
         try:
             self.barrier.check_world(self._rv)
             await self._refuse_committed()
@@ -178,7 +177,7 @@ class CheckpointWriter:
         """CheckpointError when the checkpoint is committed (by whichever writer); ``what`` was not written."""
         key = marker_key(self.uri.key)
         try:
-            await with_retries(lambda: self._rv.store.head(key), self.config, f"check of {key}")
+            await self._rv.store.head(key)
         except ObjectNotFoundError:
             return
         raise CheckpointError(f"checkpoint {self.uri.raw} is already committed; refusing to write it again"
@@ -196,14 +195,14 @@ class CheckpointWriter:
             async def listing() -> set[str]:
                 return {m.key async for m in store.list(self.uri.key) if not m.key.startswith(meta + "/")}
 
-            self._existing = await with_retries(listing, self.config, f"listing of {self.uri.raw}")
+            self._existing = await listing()
         found = [k for k in keys if k in self._existing]
         if not found:
             return
         await self._refuse_committed(", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else ""))
         log.info("rank %d: replacing %d file(s) of %s left by an uncommitted attempt", self.rank, len(found),
                  self.uri.raw)
-        await with_retries(lambda: store.delete_many(found), self.config, f"delete of leftovers in {self.uri.raw}")
+        await store.delete_many(found)
         self._existing.difference_update(found)
 
     async def _agree_attempt(self) -> str:
@@ -316,12 +315,12 @@ class CheckpointWriter:
         attempt is replaced, unless the checkpoint is committed."""
         store = self._rv.store
         try:
-            await with_retries(lambda: store.put(key, data, if_absent=True), self.config, f"write of manifest {key}")
+            await store.put(key, data, if_absent=True)
         except AlreadyExistsError:
             if await read_object(store, key, self.config) == data:
                 return
             await self._refuse_committed(f"manifest {key}")
-            await with_retries(lambda: store.put(key, data), self.config, f"write of manifest {key}")
+            await store.put(key, data)
 
     async def _check_files(self, payloads: list[bytes]) -> None:
         """Root: every file named by the manifests still holds what its rank recorded (CheckpointError if not)."""
@@ -333,7 +332,7 @@ class CheckpointWriter:
             key = self.uri.join(entry.name)
             async with limit:
                 try:
-                    meta = await with_retries(lambda: store.head(key), self.config, f"check of {key}")
+                    meta = await store.head(key)
                 except ObjectNotFoundError:
                     return f"{entry.name!r} (written by rank {rank}) is gone"
             found = FileDigest.from_metadata(meta.size, meta.metadata)
@@ -374,7 +373,7 @@ class CheckpointWriter:
         key, data = marker_key(self.uri.key), marker.encode()
         store = self._rv.store
         try:
-            await with_retries(lambda: store.put(key, data, if_absent=True), self.config, f"commit of {key}")
+            await store.put(key, data, if_absent=True)
         except AlreadyExistsError:
             if await read_object(store, key, self.config) != data:  # not our own write, retried after a lost reply
                 raise CheckpointError(f"checkpoint {self.uri.raw} was committed by another writer meanwhile") from None

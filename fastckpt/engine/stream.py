@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
@@ -30,11 +29,11 @@ from ..config import TransferConfig
 from ..errors import IntegrityError, StoreError
 from ..integrity import FileDigest, combine, hash_chunk, hash_chunks
 from ..stores.base import Buffer, MultipartUpload, ObjectMeta, PartInfo, Store
+from ..stores.retry import retrying
+from .io import off_loop
 from .plan import plan_download, plan_upload
 from .pool import BufferPool
-from .retry import with_retries
 from .tasks import gather_all
-from .transfer import off_loop
 
 T = TypeVar("T")
 DIGEST_KEYS = frozenset(FileDigest(0, 1, "").metadata())
@@ -63,10 +62,6 @@ class _Lease:
             await cm.__aexit__(type(error) if error else None, error, None)
 
 
-async def _retry(op: Callable[[], Awaitable[T]], config: TransferConfig, what: str) -> T:
-    return await with_retries(op, config, what)
-
-
 class StreamWriter:
     """Writes one object from a stream of bytes of unknown length.
 
@@ -77,7 +72,7 @@ class StreamWriter:
 
     def __init__(self, store: Store, key: str, config: TransferConfig,
                  metadata: dict[str, str] | None = None) -> None:
-        self.store, self.key, self.config = store, key, config
+        self.store, self.key, self.config = retrying(store, config), key, config
         self.metadata = dict(metadata or {})
         self.part_size = plan_upload(0, config, store).part_size
         self.pool = BufferPool(self.part_size, max(1, config.max_in_flight))
@@ -138,8 +133,7 @@ class StreamWriter:
         self._index += 1
         if self._create is None:
             meta = dict(self.metadata)
-            self._create = asyncio.ensure_future(_retry(
-                lambda: self.store.create_multipart(self.key, self.part_size, meta), self.config, self._what))
+            self._create = asyncio.ensure_future(self.store.create_multipart(self.key, self.part_size, meta))
             self._create.add_done_callback(_retrieve)  # its error reaches the caller through the parts
         task = asyncio.ensure_future(self._send(index, lease, nbytes))
         task.add_done_callback(self._part_done)
@@ -152,7 +146,7 @@ class StreamWriter:
             view = lease.view[:nbytes]
             hashing = asyncio.ensure_future(off_loop(hash_chunk, view))
             try:
-                info = await _retry(lambda: mpu.put_part(index, view), self.config, f"{self._what} (part {index})")
+                info = await mpu.put_part(index, view)
             finally:
                 await asyncio.wait([hashing])  # a thread reads the buffer: keep it until the hash is done
             result = info, hashing.result()
@@ -202,7 +196,7 @@ class StreamWriter:
                 mpu = self._create.result()
                 digest = FileDigest(self.size, self.part_size, combine([d for _, d in results]))
                 meta = {**self.metadata, **self._digest_meta(digest)}
-                await _retry(lambda: mpu.complete([p for p, _ in results], meta), self.config, self._what)
+                await mpu.complete([p for p, _ in results], meta)
         except BaseException:
             await asyncio.shield(self.abort())
             raise
@@ -217,7 +211,7 @@ class StreamWriter:
             digests = await off_loop(hash_chunks, view, self.part_size) if len(view) else []
             digest = FileDigest(len(view), self.part_size, combine(digests))
             meta = {**self.metadata, **self._digest_meta(digest)}
-            await _retry(lambda: self.store.put(self.key, view, metadata=meta), self.config, self._what)
+            await self.store.put(self.key, view, metadata=meta)
         except BaseException as exc:
             if lease is not None:
                 await lease.release(exc)
@@ -245,7 +239,7 @@ class StreamWriter:
             if not self._create.cancelled() and self._create.exception() is None:
                 mpu = self._create.result()
                 with contextlib.suppress(Exception):
-                    await _retry(mpu.abort, self.config, f"abort of {self._what}")
+                    await mpu.abort()
         self.pool.close()
 
 
@@ -253,7 +247,7 @@ class StreamReader:
     """Reads one object: whole parts (sequential readers, prefetched) or exact ranges (random readers)."""
 
     def __init__(self, store: Store, meta: ObjectMeta, config: TransferConfig, *, verify: bool | None = None) -> None:
-        self.store, self.key, self.config = store, meta.key, config
+        self.store, self.key, self.config = retrying(store, config), meta.key, config
         self.size = meta.size
         check = config.verify if verify is None else verify
         self.expected = FileDigest.from_metadata(meta.size, meta.metadata) if check else None
@@ -306,8 +300,7 @@ class StreamReader:
         offset, length = self.part_span(index)
         lease = await _Lease.take(self.pool, length)
         try:
-            n = await _retry(lambda: self.store.read_into(self.key, offset, lease.view), self.config,
-                             f"read of {self.key}")
+            n = await self.store.read_into(self.key, offset, lease.view)
             if n != length:
                 raise IntegrityError(f"{self.key}: object changed while being read ({n} of {length} bytes "
                                      f"at {offset})")
@@ -330,15 +323,13 @@ class StreamReader:
         """Exactly ``length`` bytes from ``start`` (fewer at the end), large ranges in parallel pieces."""
         length = max(0, min(length, self.size - start))
         if length <= self.part_size:
-            return await _retry(lambda: self.store.get_range(self.key, start, length), self.config,
-                                f"read of {self.key}")
+            return await self.store.get_range(self.key, start, length)
         out = bytearray(length)
         view = memoryview(out)
 
         async def piece(offset: int) -> None:
             n = min(self.part_size, length - offset)
-            got = await _retry(lambda: self.store.read_into(self.key, start + offset, view[offset:offset + n]),
-                               self.config, f"read of {self.key}")
+            got = await self.store.read_into(self.key, start + offset, view[offset:offset + n])
             if got != n:
                 raise IntegrityError(f"{self.key}: object changed while being read")
 
@@ -359,7 +350,8 @@ class StreamReader:
 async def copy_object(src: Store, src_key: str, dst: Store, dst_key: str, config: TransferConfig) -> FileDigest:
     """Copy one object, parts read ahead and uploaded in parallel. User metadata is kept; the source
     digest (if recorded) is checked on the way and the copy gets its own."""
-    meta = await _retry(lambda: src.head(src_key), config, f"copy of {src_key}")
+    src = retrying(src, config)
+    meta = await src.head(src_key)
     user = {k: v for k, v in meta.metadata.items() if k.lower() not in DIGEST_KEYS}
     reader = StreamReader(src, meta, config)
     writer = StreamWriter(dst, dst_key, config, user)

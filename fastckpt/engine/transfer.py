@@ -3,68 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import secrets
-import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
 
 from ..config import TransferConfig
 from ..errors import AlreadyExistsError, IntegrityError, ObjectNotFoundError, StoreError
 from ..integrity import FileDigest, combine, hash_chunks, read_and_hash, read_exact, write_at
 from ..stores.base import MultipartUpload, PartInfo, Store
+from ..stores.retry import retrying
+from .io import off_loop, start_io_threads
 from .plan import Plan, plan_download, plan_upload
 from .pool import BufferPool
 from .progress import Progress, ProgressCallback
-from .retry import with_retries
 from .tasks import gather_all
-
-T = TypeVar("T")
-_IO_THREADS = 16
-_IO = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="fastckpt-io")
-_io_started = threading.Event()
-
-
-def _reset_io_after_fork() -> None:
-    """A forked child inherits the executor but none of its threads: give it a fresh one."""
-    global _IO, _io_started
-    _IO = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="fastckpt-io")
-    _io_started = threading.Event()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_io_after_fork)
-
-
-def _start_io_threads() -> None:
-    """Start the I/O threads now, from a side thread (best effort, never blocks the caller).
-
-    ThreadPoolExecutor starts its threads lazily inside ``submit``, and ``Thread.start`` waits for the
-    new thread to take the GIL: done on the event loop, that stalls it for milliseconds per thread.
-    Tasks that hold their thread until all are submitted make ``submit`` start a thread for each.
-    """
-    if _io_started.is_set():
-        return
-    _io_started.set()
-    submitted = threading.Event()
-
-    def fill() -> None:
-        try:
-            for _ in range(_IO_THREADS):
-                _IO.submit(submitted.wait, 1.0)
-        except RuntimeError:  # the interpreter is exiting
-            pass
-        submitted.set()
-
-    threading.Thread(target=fill, name="fastckpt-io-start", daemon=True).start()
-
-
-async def off_loop(fn: Callable[..., T], *args: object) -> T:
-    """Run blocking ``fn(*args)`` (file I/O, hashing) on the I/O threads, not the event loop."""
-    return await asyncio.get_running_loop().run_in_executor(_IO, functools.partial(fn, *args))
 
 
 @dataclass(frozen=True)
@@ -82,9 +34,9 @@ class Transfer:
     def __init__(
         self, store: Store, config: TransferConfig | None = None, progress: ProgressCallback | None = None
     ) -> None:
-        _start_io_threads()
-        self.store = store
+        start_io_threads()
         self.config = config or TransferConfig.from_env()
+        self.store = retrying(store, self.config)
         self.pool = BufferPool(self.config.part_size, self.config.max_in_flight)
         self.progress = Progress(progress)
         self._files = asyncio.Semaphore(self.config.max_open_files)
@@ -92,9 +44,6 @@ class Transfer:
     def close(self) -> None:
         """Release pooled buffers."""
         self.pool.close()
-
-    async def _retry(self, op: Callable[[], object], what: str):
-        return await with_retries(op, self.config, what)  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------------------- uploads
 
@@ -142,8 +91,7 @@ class Transfer:
             digest = FileDigest(plan.size, plan.part_size, combine(digests))
             meta = digest.metadata() if self.config.digest_metadata else None
             try:
-                await self._retry(lambda: self.store.put(key, buf, if_absent=if_absent, metadata=meta),
-                                  f"upload of {path} to {key}")
+                await self.store.put(key, buf, if_absent=if_absent, metadata=meta)
             except AlreadyExistsError:
                 if not await self._holds(key, digest):
                     raise
@@ -154,7 +102,7 @@ class Transfer:
         """Whether ``key`` already holds an object recorded with ``digest`` (e.g. our own create-if-absent
         write, retried after its reply was lost)."""
         try:
-            meta = await self._retry(lambda: self.store.head(key), f"check of {key}")
+            meta = await self.store.head(key)
         except ObjectNotFoundError:
             return False
         return FileDigest.from_metadata(meta.size, meta.metadata) == digest
@@ -164,15 +112,15 @@ class Transfer:
         if self.config.digest_metadata and not self.store.metadata_on_complete:
             pre = await self._hash_file(fd, plan)
         what = f"upload of {path} to {key}"
-        mpu: MultipartUpload = await self._retry(lambda: self.store.create_multipart(
-            key, plan.part_size, pre.metadata() if pre else None, if_absent=if_absent), what)
+        mpu: MultipartUpload = await self.store.create_multipart(
+            key, plan.part_size, pre.metadata() if pre else None, if_absent=if_absent)
         try:
             results = await gather_all(self._send_part(fd, plan, i, mpu, what) for i in range(plan.count))
             digest = FileDigest(plan.size, plan.part_size, combine([d for _, d in results]))
             if pre is not None and pre.digest != digest.digest:
                 raise IntegrityError(f"{path} changed while it was being uploaded to {key}")
             meta = digest.metadata() if self.config.digest_metadata else None
-            await self._retry(lambda: mpu.complete([p for p, _ in results], meta), what)
+            await mpu.complete([p for p, _ in results], meta)
         except AlreadyExistsError:
             await asyncio.shield(self._abort(mpu))
             if not await self._holds(key, digest):
@@ -184,7 +132,7 @@ class Transfer:
 
     async def _abort(self, mpu: MultipartUpload) -> None:
         try:
-            await self._retry(mpu.abort, f"abort of multipart upload of {mpu.key}")
+            await mpu.abort()
         except Exception:
             pass
 
@@ -193,7 +141,7 @@ class Transfer:
         offset, length = plan.part(index)
         async with self.pool.buffer(length) as buf:
             digest = await off_loop(read_and_hash, fd, offset, buf)
-            info = await self._retry(lambda: mpu.put_part(index, buf), f"{what} (part {index})")
+            info = await mpu.put_part(index, buf)
         self.progress.advance(length)
         return info, digest
 
@@ -220,7 +168,7 @@ class Transfer:
 
     async def _download(self, key: str, path: str, expected: FileDigest | None) -> FileResult:
         async with self._files:
-            meta = await self._retry(lambda: self.store.head(key), f"download of {key}")
+            meta = await self.store.head(key)
             if expected is None and self.config.verify:
                 expected = FileDigest.from_metadata(meta.size, meta.metadata)
             if expected is not None and expected.size != meta.size:
@@ -256,7 +204,7 @@ class Transfer:
     async def _fetch_part(self, key: str, fd: int, plan: Plan, index: int, chunk: int) -> list[bytes]:
         offset, length = plan.part(index)
         async with self.pool.buffer(length) as buf:
-            n = await self._retry(lambda: self.store.read_into(key, offset, buf), f"download of {key}")
+            n = await self.store.read_into(key, offset, buf)
             if n != length:
                 raise StoreError(f"{key}: object shrank during download (got {n} of {length} bytes at {offset})")
             digests = await off_loop(_hash_and_write, fd, offset, buf, chunk)
@@ -265,7 +213,7 @@ class Transfer:
 
     async def verify_object(self, key: str, expected: FileDigest | None = None) -> FileDigest:
         """Re-read ``key`` and check it against ``expected`` (or its digest metadata); IntegrityError if off."""
-        meta = await self._retry(lambda: self.store.head(key), f"verify of {key}")
+        meta = await self.store.head(key)
         expected = expected or FileDigest.from_metadata(meta.size, meta.metadata)
         if expected is None:
             raise IntegrityError(f"{key}: no recorded digest to verify against")
@@ -277,7 +225,7 @@ class Transfer:
         async def part(index: int) -> list[bytes]:
             offset, length = plan.part(index)
             async with self.pool.buffer(length) as buf:
-                n = await self._retry(lambda: self.store.read_into(key, offset, buf), f"verify of {key}")
+                n = await self.store.read_into(key, offset, buf)
                 if n != length:
                     raise IntegrityError(f"{key}: object is shorter than recorded ({offset + n} < {meta.size})")
                 digests = await off_loop(hash_chunks, buf, expected.chunk_size)

@@ -5,9 +5,10 @@ engine (parallel parts, XXH3 digests, retries, bounded memory), or pyarrow's own
 fastckpt has no backend for (``hdfs://``, ``viewfs://``, ``mock://`` ...). It pickles (Ray sends it to
 every worker) and compares equal to any facade of the same configuration.
 
-- Paths and directories: ``handler`` (pyarrow S3FileSystem's rules on object stores, LocalFileSystem's
-  on local paths). Errors are pyarrow's: FileNotFoundError, NotADirectoryError, IsADirectoryError,
-  FileExistsError, and OSError subclasses of fastckpt's storage and integrity errors.
+- Paths and directories: ``objects`` (pyarrow S3FileSystem's rules on object stores) and ``local``
+  (LocalFileSystem's on local paths), over what they share in ``base``. Errors are pyarrow's:
+  FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, ArrowNotImplementedError,
+  and fastckpt's storage and integrity errors, which are OSErrors.
 - Streams: ``files`` and ``fastckpt.engine.stream``. An object is written whole on ``close()``, which
   raises if any part failed; ``abort()`` or an exception leaving a ``with`` block discards it.
 - Integrity: every object written records its digest, except streamed multipart uploads on S3, whose
@@ -25,9 +26,11 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ..config import TransferConfig
+from .base import FastckptHandler, StoreWrapper, location
 from .copy import copy_files, install_copy_files_guard, pyarrow_copy_files
 from .files import InputFile, OutputStream
-from .handler import FastckptHandler, StoreWrapper, location
+from .local import LocalHandler
+from .objects import ObjectStoreHandler
 
 
 class FacadeFileSystem(pafs.PyFileSystem):
@@ -56,7 +59,14 @@ def filesystem(uri: str, config: TransferConfig | None = None, *,
     """A pyarrow filesystem for ``uri``'s backend (its bucket and key do not restrict paths)."""
     if location(uri).backend == "delegate":
         return pafs.FileSystem.from_uri(uri)[0]
-    return FacadeFileSystem(FastckptHandler(uri, config, store_wrapper))
+    return FacadeFileSystem(handler(uri, config, store_wrapper=store_wrapper))
+
+
+def handler(uri: str, config: TransferConfig | None = None, *,
+            store_wrapper: StoreWrapper | None = None) -> FastckptHandler:
+    """The facade handler for ``uri``'s backend: ``LocalHandler`` for local paths, else ``ObjectStoreHandler``."""
+    cls = LocalHandler if location(uri).backend == "local" else ObjectStoreHandler
+    return cls(uri, config, store_wrapper)
 
 
 def from_uri(uri: str, config: TransferConfig | None = None, *,
@@ -73,10 +83,13 @@ __all__ = [
     "FacadeFileSystem",
     "FastckptHandler",
     "InputFile",
+    "LocalHandler",
+    "ObjectStoreHandler",
     "OutputStream",
     "copy_files",
     "filesystem",
     "from_uri",
+    "handler",
     "install_copy_files_guard",
     "pyarrow_copy_files",
 ]

@@ -24,6 +24,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from .base import FastckptHandler
 from .files import OutputStream
 
 _ORIGINAL: Any = None
@@ -32,8 +33,6 @@ MAX_THREADS = 8
 
 def handler_of(fs: object) -> Any:
     """The FastckptHandler behind ``fs``, or None."""
-    from .handler import FastckptHandler
-
     if isinstance(fs, pafs.PyFileSystem) and isinstance(fs.handler, FastckptHandler):
         return fs.handler
     return None

@@ -7,6 +7,7 @@ import importlib
 from ..config import TransferConfig
 from ..uri import StorageURI, parse_uri
 from .base import MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
+from .retry import RetryingStore
 
 # backend name -> "module:factory"; each factory takes (StorageURI, TransferConfig) and returns a Store.
 _FACTORIES = {
@@ -30,8 +31,12 @@ def backend_status() -> dict[str, str]:
     return status
 
 
-def open_store(uri: str | StorageURI, config: TransferConfig | None = None) -> Store:
-    """A store for ``uri``'s backend and bucket. Keys passed to it are full keys (``uri.key`` + ...)."""
+def open_store(uri: str | StorageURI, config: TransferConfig | None = None, *, retry: bool = True) -> Store:
+    """A store for ``uri``'s backend and bucket. Keys passed to it are full keys (``uri.key`` + ...).
+
+    Its requests are retried per ``stores.retry`` unless ``retry`` is False (to wrap it first, e.g. in
+    fault injection, then apply ``retrying``).
+    """
     parsed = parse_uri(uri) if isinstance(uri, str) else uri
     target = _FACTORIES.get(parsed.backend)
     if target is None:
@@ -42,7 +47,9 @@ def open_store(uri: str | StorageURI, config: TransferConfig | None = None) -> S
         factory = getattr(importlib.import_module(module), func)
     except ImportError as exc:
         raise ImportError(f"backend {parsed.backend!r} for {parsed.raw!r} is unavailable: {exc}") from exc
-    return factory(parsed, config or TransferConfig.from_env())
+    config = config or TransferConfig.from_env()
+    store = factory(parsed, config)
+    return RetryingStore(store, config) if retry else store
 
 
 __all__ = ["MultipartUpload", "ObjectMeta", "PartInfo", "PendingUpload", "Store", "backend_status", "open_store"]

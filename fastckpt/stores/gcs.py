@@ -135,6 +135,7 @@ class GCSUpload(MultipartUpload):
         self._store, self._metadata, self._if_absent = store, metadata, if_absent
         self.prefix = parts_prefix(key, self.upload_id)
         self._sizes: dict[int, int] = {}
+        self._cleanups: set[asyncio.Future[None]] = set()
         self._closed = False
 
     def _part(self, index: int) -> str:
@@ -148,7 +149,15 @@ class GCSUpload(MultipartUpload):
         self._check_open()
         with memoryview(data) as raw, raw.cast("B") as view:  # released: the caller's buffer goes back to a pool
             size = len(view)
-            await self._store.upload_object(self._part(index), view)
+            try:
+                await self._store.upload_object(self._part(index), view)
+            except asyncio.CancelledError:
+                # The whole body may have been sent: the server can still store the part after this; delete it
+                # (``abort`` waits for these deletions before clearing the prefix).
+                cleanup = asyncio.ensure_future(self._store.delete_quietly([self._part(index)]))
+                self._cleanups.add(cleanup)
+                cleanup.add_done_callback(self._cleanups.discard)
+                raise
         if self._closed:  # aborted meanwhile: leave nothing behind
             await self._store.delete(self._part(index))
             self._check_open()
@@ -184,6 +193,8 @@ class GCSUpload(MultipartUpload):
 
     async def abort(self) -> None:
         self._closed = True
+        if self._cleanups:
+            await asyncio.gather(*self._cleanups, return_exceptions=True)
         await self._store.delete_prefix(self.prefix)
 
 

@@ -1,0 +1,66 @@
+"""Blocking work off the event loop: the engine's I/O threads, and walking local directories."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+_IO_THREADS = 16
+_IO = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="fastckpt-io")
+_io_started = threading.Event()
+
+
+def _reset_io_after_fork() -> None:
+    """A forked child inherits the executor but none of its threads: give it a fresh one."""
+    global _IO, _io_started
+    _IO = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="fastckpt-io")
+    _io_started = threading.Event()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_io_after_fork)
+
+
+def start_io_threads() -> None:
+    """Start the I/O threads now, from a side thread (best effort, never blocks the caller).
+
+    ThreadPoolExecutor starts its threads lazily inside ``submit``, and ``Thread.start`` waits for the
+    new thread to take the GIL: done on the event loop, that stalls it for milliseconds per thread.
+    Tasks that hold their thread until all are submitted make ``submit`` start a thread for each.
+    """
+    if _io_started.is_set():
+        return
+    _io_started.set()
+    submitted = threading.Event()
+
+    def fill() -> None:
+        try:
+            for _ in range(_IO_THREADS):
+                _IO.submit(submitted.wait, 1.0)
+        except RuntimeError:  # the interpreter is exiting
+            pass
+        submitted.set()
+
+    threading.Thread(target=fill, name="fastckpt-io-start", daemon=True).start()
+
+
+async def off_loop(fn: Callable[..., T], *args: object) -> T:
+    """Run blocking ``fn(*args)`` (file I/O, hashing) on the I/O threads, not the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(_IO, functools.partial(fn, *args))
+
+
+def local_files(src: str) -> list[tuple[str, str]]:
+    """(path, relative '/'-path) of every file below directory ``src``, sorted."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(src):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            out.append((path, os.path.relpath(path, src).replace(os.sep, "/")))
+    return out

@@ -1,0 +1,181 @@
+"""Retries in one place: a store wrapper that sends a request again when it failed in a retryable way.
+
+Each request of the store protocol is retried, with exponential backoff and full jitter, while it fails
+with a retryable error (``StoreError.retryable``: 5xx, throttling, resets, timeouts; and connection
+errors), up to ``config.retries`` times; then a TransientStoreError names the request and the attempts.
+Anything else propagates at once. ``open_store`` applies the wrapper, and ``retrying`` gives one to a
+store handed in by a caller, so the layers above never retry by themselves.
+
+The policy per operation:
+
+- reads (``head``, ``get_range``, ``read_into``), ``list_page``, deletes, puts, part uploads, creating
+  and aborting multipart uploads, listing and aborting pending uploads: idempotent, retried (a retried
+  ``create_multipart`` may leave an orphan upload behind, which ``gc`` aborts).
+- a non-paged ``list`` (local, memory, wrappers): retried only until it has yielded its first object;
+  paged backends list through ``list_page``, so every page is retried on its own.
+- create-if-absent ``put`` and ``complete``: retried as well, which is safe here because a retry whose
+  first attempt did land is recognised: the backend finds its own completed upload, or the retry raises
+  AlreadyExistsError and every caller of create-if-absent then compares what is stored with what it
+  wrote (the engine by digest, the commit by content) before calling it a conflict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from ..config import TransferConfig
+from ..errors import TransientStoreError
+from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
+
+T = TypeVar("T")
+log = logging.getLogger("fastckpt")
+
+
+def backoff(config: TransferConfig, attempt: int) -> float:
+    """Seconds to wait before retry number ``attempt + 1``: exponential, capped, with full jitter."""
+    return random.uniform(0, min(config.backoff_max, config.backoff_base * 2**attempt))
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether a retry may fix what raised ``exc``."""
+    return bool(getattr(exc, "retryable", False)) or isinstance(exc, (ConnectionError, asyncio.TimeoutError))
+
+
+async def with_retries(op: Callable[[], Awaitable[T]], config: TransferConfig, what: str) -> T:
+    """Run ``op()``; on a retryable error sleep (jittered exponential backoff) and run it again."""
+    attempt = 0
+    while True:
+        try:
+            return await op()
+        except Exception as exc:
+            if not is_retryable(exc):
+                raise
+            if attempt >= config.retries:
+                raise TransientStoreError(f"{what}: failed after {attempt + 1} attempts: {exc}",
+                                          key=getattr(exc, "key", None), backend=getattr(exc, "backend", None),
+                                          status=getattr(exc, "status", None)) from exc
+            delay = backoff(config, attempt)
+            log.debug("retrying %s in %.2fs after %s", what, delay, exc)
+            attempt += 1
+            await asyncio.sleep(delay)
+
+
+class RetryingStore(Store):
+    """``inner`` with every request retried per the module's policy; other attributes are ``inner``'s."""
+
+    def __init__(self, inner: Store, config: TransferConfig) -> None:
+        self.inner, self.config = inner, config
+        self.name = inner.name
+        self.min_part_size, self.max_part_size = inner.min_part_size, inner.max_part_size
+        self.max_parts, self.metadata_on_complete = inner.max_parts, inner.metadata_on_complete
+
+    def __getattr__(self, name: str) -> Any:  # backend specifics (bucket, endpoint, client ...)
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def __repr__(self) -> str:
+        return repr(self.inner)
+
+    async def _retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
+        return await with_retries(op, self.config, f"{what} ({self.name})")
+
+    @property
+    def paged(self) -> bool:
+        return self.inner.paged
+
+    def is_hidden(self, key: str) -> bool:
+        return self.inner.is_hidden(key)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def head(self, key: str) -> ObjectMeta:
+        return await self._retry(f"head of {key}", lambda: self.inner.head(key))
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        return await self._retry(f"read of {key}", lambda: self.inner.get_range(key, start, length))
+
+    async def read_into(self, key: str, start: int, buf: memoryview) -> int:
+        return await self._retry(f"read of {key}", lambda: self.inner.read_into(key, start, buf))
+
+    async def put(
+        self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None
+    ) -> None:
+        await self._retry(f"write of {key}", lambda: self.inner.put(key, data, if_absent=if_absent, metadata=metadata))
+
+    async def list_page(self, prefix: str, delimiter: str | None = None, token: str | None = None) -> ListPage:
+        return await self._retry(f"listing of {prefix}", lambda: self.inner.list_page(prefix, delimiter, token))
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectMeta]:
+        if self.paged:
+            async for meta in super().list(prefix):
+                yield meta
+            return
+        attempt = 0
+        while True:
+            items = self.inner.list(prefix).__aiter__()
+            try:
+                first = await items.__anext__()
+            except StopAsyncIteration:
+                return
+            except Exception as exc:
+                if not is_retryable(exc) or attempt >= self.config.retries:
+                    raise
+                await asyncio.sleep(backoff(self.config, attempt))
+                attempt += 1
+                continue
+            yield first
+            async for meta in items:
+                yield meta
+            return
+
+    async def list_dir(self, prefix: str = "") -> tuple[list[ObjectMeta], list[str]]:
+        if self.paged:
+            return await super().list_dir(prefix)
+        return await self._retry(f"listing of {prefix}", lambda: self.inner.list_dir(prefix))
+
+    async def delete(self, key: str) -> None:
+        await self._retry(f"delete of {key}", lambda: self.inner.delete(key))
+
+    async def delete_many(self, keys: list[str]) -> None:
+        await self._retry(f"delete of {len(keys)} objects", lambda: self.inner.delete_many(keys))
+
+    async def create_multipart(
+        self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
+    ) -> MultipartUpload:
+        upload = await self._retry(f"start of upload of {key}", lambda: self.inner.create_multipart(
+            key, part_size, metadata, if_absent=if_absent))
+        return _RetryingUpload(self, upload)
+
+    async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
+        return await self._retry(f"listing of uploads below {prefix}", lambda: self.inner.list_pending_uploads(prefix))
+
+    async def abort_pending_upload(self, upload: PendingUpload) -> None:
+        await self._retry(f"abort of upload of {upload.key}", lambda: self.inner.abort_pending_upload(upload))
+
+
+class _RetryingUpload(MultipartUpload):
+    def __init__(self, store: RetryingStore, inner: MultipartUpload) -> None:
+        self._store, self._inner = store, inner
+        self.key, self.upload_id = inner.key, inner.upload_id
+
+    async def put_part(self, index: int, data: Buffer) -> PartInfo:
+        return await self._store._retry(f"upload of {self.key} (part {index})",
+                                        lambda: self._inner.put_part(index, data))
+
+    async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
+        await self._store._retry(f"completion of {self.key}", lambda: self._inner.complete(parts, metadata))
+
+    async def abort(self) -> None:
+        await self._store._retry(f"abort of upload of {self.key}", self._inner.abort)
+
+
+def retrying(store: Store, config: TransferConfig) -> Store:
+    """``store`` with retries: itself when it already is a RetryingStore, else wrapped in one."""
+    return store if isinstance(store, RetryingStore) else RetryingStore(store, config)
