@@ -65,7 +65,7 @@ async def test_loser_after_the_commit_writes_nothing(store_uri: str, tmp_path, a
     async with writer(uri, first) as a:
         await put_both(a, a_small, a_big)
     async with open_store(uri, small_config()) as store:
-        committed_manifest = await read_object(store, manifest, small_config())
+        committed_manifest = await read_object(store, manifest)
 
     with pytest.raises(CheckpointError, match=r"already committed.*not written") as failed:
         await put_both(b, b_small, b_big)
@@ -73,7 +73,7 @@ async def test_loser_after_the_commit_writes_nothing(store_uri: str, tmp_path, a
     assert b.result is None
     await assert_holds(uri, tmp_path, small, big)
     async with open_store(uri, small_config()) as store:
-        assert await read_object(store, manifest, small_config()) == committed_manifest
+        assert await read_object(store, manifest) == committed_manifest
 
 
 @pytest.mark.parametrize("attempts", list(ATTEMPTS), ids=list(ATTEMPTS))

@@ -180,15 +180,12 @@ class StoreBarrier(Barrier):
         """{rank: payload size} of the payloads present under ``{prefix}/{tag}/``."""
         base = join_key(rv.prefix, tag)
 
-        async def listing() -> dict[int, int]:
-            found = {}
-            async for meta in rv.store.list(base):
-                rank = parse_rank_name(meta.key.rsplit("/", 1)[-1])
-                if rank is not None and rank < rv.world_size and meta.key == rank_key(rv.prefix, tag, rank):
-                    found[rank] = meta.size
-            return found
-
-        return await listing()
+        found = {}
+        async for meta in rv.store.list(base):
+            rank = parse_rank_name(meta.key.rsplit("/", 1)[-1])
+            if rank is not None and rank < rv.world_size and meta.key == rank_key(rv.prefix, tag, rank):
+                found[rank] = meta.size
+        return found
 
     async def broadcast(self, rv: Rendezvous, tag: str, payload: bytes | None) -> bytes:
         key = join_key(rv.prefix, tag, BROADCAST_NAME)
@@ -200,7 +197,7 @@ class StoreBarrier(Barrier):
         backoff = _Backoff(self.poll_interval, self.max_poll_interval, 2 * self.timeout)
         while True:
             try:
-                return await read_object(rv.store, key, rv.config)
+                return await read_object(rv.store, key)
             except ObjectNotFoundError:
                 pass
             if backoff.expired():

@@ -130,11 +130,8 @@ def _target(uri: str | StorageURI) -> StorageURI:
 # ----------------------------------------------------------------------------- scanning
 
 
-async def _list(store: Store, prefix: str, config: TransferConfig) -> list[ObjectMeta]:
-    async def run() -> list[ObjectMeta]:
-        return [m async for m in store.list(prefix)]
-
-    return await run()
+async def _list(store: Store, prefix: str) -> list[ObjectMeta]:
+    return [m async for m in store.list(prefix)]
 
 
 async def _bounded(aws: list[Awaitable[T]]) -> list[T]:
@@ -147,13 +144,13 @@ async def _bounded(aws: list[Awaitable[T]]) -> list[T]:
     return list(await asyncio.gather(*(one(a) for a in aws)))
 
 
-async def _candidates(store: Store, base: str, config: TransferConfig) -> list[tuple[str, list[ObjectMeta]]]:
+async def _candidates(store: Store, base: str) -> list[tuple[str, list[ObjectMeta]]]:
     """(key, metadata objects) of the checkpoint(s) at ``base``: itself, else its direct sub-prefixes."""
-    own = await _list(store, meta_prefix(base), config)
+    own = await _list(store, meta_prefix(base))
     if own:
         return [(base, own)]
     _, dirs = await store.list_dir(base)
-    metas = await _bounded([_list(store, meta_prefix(d), config) for d in dirs])
+    metas = await _bounded([_list(store, meta_prefix(d)) for d in dirs])
     return [(d, m) for d, m in zip(dirs, metas, strict=True) if m]
 
 
@@ -168,14 +165,13 @@ def _attempts(key: str, metas: list[ObjectMeta]) -> dict[str, dict[int, ObjectMe
     return found
 
 
-async def _info(store: Store, base: StorageURI, key: str, metas: list[ObjectMeta],
-                config: TransferConfig) -> CheckpointInfo:
+async def _info(store: Store, base: StorageURI, key: str, metas: list[ObjectMeta]) -> CheckpointInfo:
     """Listing entry of one checkpoint (cheap: the marker, or the newest attempt's manifests)."""
     uri, name = uri_of(base, key), _name(key)
     attempts = _attempts(key, metas)
     if any(m.key == marker_key(key) for m in metas):
         try:
-            marker = CommitMarker.decode(await read_object(store, marker_key(key), config), marker_key(key))
+            marker = CommitMarker.decode(await read_object(store, marker_key(key)), marker_key(key))
         except CheckpointError:
             return CheckpointInfo(name, uri, CORRUPT, None, None, 0, 0, None)
         have = attempts.get(marker.attempt, {})
@@ -185,18 +181,17 @@ async def _info(store: Store, base: StorageURI, key: str, metas: list[ObjectMeta
     if not attempts:
         return CheckpointInfo(name, uri, UNCOMMITTED, None, None, 0, 0, None)
     attempt = max(attempts, key=lambda a: max(m.mtime for m in attempts[a].values()))
-    manifests = await _manifests(store, attempts[attempt].values(), config)
+    manifests = await _manifests(store, attempts[attempt].values())
     good = [m for m in manifests if m is not None and m.error is None]
     world = next((m.world_size for m in manifests if m is not None), None)
     return CheckpointInfo(name, uri, UNCOMMITTED, attempt, world, sum(len(m.files) for m in good),
                           sum(m.bytes for m in good), None)
 
 
-async def _manifests(store: Store, objects: Iterable[ObjectMeta], config: TransferConfig
-                     ) -> list[RankManifest | None]:
+async def _manifests(store: Store, objects: Iterable[ObjectMeta]) -> list[RankManifest | None]:
     async def one(meta: ObjectMeta) -> RankManifest | None:
         try:
-            return RankManifest.decode(await read_object(store, meta.key, config), meta.key)
+            return RankManifest.decode(await read_object(store, meta.key), meta.key)
         except (CheckpointError, ObjectNotFoundError):
             return None
 
@@ -211,7 +206,7 @@ async def _load(store: Store, base: StorageURI, config: TransferConfig, allow_un
     ``problems``), or, when allowed, uncommitted."""
     key = base.key
     try:
-        raw = await read_object(store, marker_key(key), config)
+        raw = await read_object(store, marker_key(key))
     except ObjectNotFoundError:
         if not allow_uncommitted:
             raise CheckpointError(f"checkpoint {base.raw} is not committed (no {META_DIR}/COMMITTED); "
@@ -228,7 +223,7 @@ async def _load(store: Store, base: StorageURI, config: TransferConfig, allow_un
         mkey = rank_key(meta_prefix(key), marker.attempt, rank)
         rel = mkey[len(key) + 1:] if key else mkey
         try:
-            data = await read_object(store, mkey, config)
+            data = await read_object(store, mkey)
         except ObjectNotFoundError:
             return BadFile(rel, "manifest named by the commit marker is missing")
         if digest_of(data) != marker.manifests[rank]:
@@ -257,16 +252,16 @@ async def _load(store: Store, base: StorageURI, config: TransferConfig, allow_un
 async def _load_uncommitted(store: Store, base: StorageURI, config: TransferConfig) -> Checkpoint:
     """Newest attempt's manifests as found; without any, every object below the prefix."""
     key = base.key
-    metas = await _list(store, meta_prefix(key), config)
-    info = await _info(store, base, key, metas, config)
+    metas = await _list(store, meta_prefix(key))
+    info = await _info(store, base, key, metas)
     files: dict[str, FileDigest | None] = {}
     attempts = _attempts(key, metas)
     if info.attempt is not None:
-        for m in await _manifests(store, attempts[info.attempt].values(), config):
+        for m in await _manifests(store, attempts[info.attempt].values()):
             if m is not None and m.error is None:
                 files.update({f.name: f.digest for f in m.files})
     else:
-        for meta in await _list(store, key, config):
+        for meta in await _list(store, key):
             rel = meta.key[len(key) + 1:] if key else meta.key
             if rel and not rel.startswith(META_DIR + "/"):
                 try:
@@ -330,8 +325,8 @@ async def list_checkpoints_async(uri: str | StorageURI, *, config: TransferConfi
                                  ) -> list[CheckpointInfo]:
     """Checkpoints at ``uri`` (itself, or its direct sub-prefixes), sorted by name."""
     async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> list[CheckpointInfo]:
-        found = await _candidates(store, base.key, cfg)
-        infos = await _bounded([_info(store, base, k, metas, cfg) for k, metas in found])
+        found = await _candidates(store, base.key)
+        infos = await _bounded([_info(store, base, k, metas) for k, metas in found])
         return sorted(infos, key=lambda i: i.name)
 
     return await _with_store(uri, config, run)
@@ -391,7 +386,7 @@ async def gc_async(uri: str | StorageURI, older_than_s: float = 24 * 3600.0, dry
     async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> GcReport:
         report = GcReport(dry_run)
         now = time.time()
-        found = dict(await _candidates(store, base.key, cfg))
+        found = dict(await _candidates(store, base.key))
         pending: dict[str, list[PendingUpload]] = {}
         for up in await store.list_pending_uploads(base.key):
             root = base.key if base.key in found else _child_of(base.key, up.key)
@@ -417,7 +412,7 @@ async def _gc_one(store: Store, base: StorageURI, key: str, is_checkpoint: bool,
     old_uploads = [u for u in uploads if u.started <= cutoff]
     doomed: list[ObjectMeta] = []
     if is_checkpoint:
-        objects = await _list(store, key, cfg)
+        objects = await _list(store, key)
         try:
             ckpt = await _load(store, base.with_key(key), cfg, allow_uncommitted=False)
         except CheckpointError:

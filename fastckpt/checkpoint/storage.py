@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from ..config import TransferConfig
 from ..stores.base import Store
 
 
-async def read_object(store: Store, key: str, config: TransferConfig) -> bytes:
-    """The whole of a small object (with retries); ObjectNotFoundError when absent."""
+async def read_object(store: Store, key: str) -> bytes:
+    """The whole of a small object; ObjectNotFoundError when absent."""
     meta = await store.head(key)
     return await store.get_range(key, 0, meta.size)

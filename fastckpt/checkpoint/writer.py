@@ -190,12 +190,8 @@ class CheckpointWriter:
         """
         store = self._rv.store
         if self._existing is None:
-            meta = meta_prefix(self.uri.key)
-
-            async def listing() -> set[str]:
-                return {m.key async for m in store.list(self.uri.key) if not m.key.startswith(meta + "/")}
-
-            self._existing = await listing()
+            meta = meta_prefix(self.uri.key) + "/"
+            self._existing = {m.key async for m in store.list(self.uri.key) if not m.key.startswith(meta)}
         found = [k for k in keys if k in self._existing]
         if not found:
             return
@@ -317,7 +313,7 @@ class CheckpointWriter:
         try:
             await store.put(key, data, if_absent=True)
         except AlreadyExistsError:
-            if await read_object(store, key, self.config) == data:
+            if await read_object(store, key) == data:
                 return
             await self._refuse_committed(f"manifest {key}")
             await store.put(key, data)
@@ -375,14 +371,14 @@ class CheckpointWriter:
         try:
             await store.put(key, data, if_absent=True)
         except AlreadyExistsError:
-            if await read_object(store, key, self.config) != data:  # not our own write, retried after a lost reply
+            if await read_object(store, key) != data:  # not our own write, retried after a lost reply
                 raise CheckpointError(f"checkpoint {self.uri.raw} was committed by another writer meanwhile") from None
 
     async def _outcome_from_marker(self) -> dict[str, object] | None:
         """Non-root whose wait for the root timed out: the outcome, if the root did commit our attempt."""
         key = marker_key(self.uri.key)
         try:
-            marker = CommitMarker.decode(await read_object(self._rv.store, key, self.config), key)
+            marker = CommitMarker.decode(await read_object(self._rv.store, key), key)
         except (ObjectNotFoundError, CheckpointError):
             return None
         if marker.attempt != self.attempt:

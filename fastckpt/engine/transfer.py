@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from .plan import Plan, plan_download, plan_upload
 from .pool import BufferPool
 from .progress import Progress, ProgressCallback
 from .tasks import gather_all
+
+log = logging.getLogger("fastckpt")
 
 
 @dataclass(frozen=True)
@@ -79,12 +82,12 @@ class Transfer:
                 if plan.multipart:
                     digest = await self._upload_multipart(fd, plan, key, path, if_absent)
                 else:
-                    digest = await self._upload_single(fd, plan, key, path, if_absent)
+                    digest = await self._upload_single(fd, plan, key, if_absent)
             finally:
                 os.close(fd)
         return FileResult(key, path, digest)
 
-    async def _upload_single(self, fd: int, plan: Plan, key: str, path: str, if_absent: bool) -> FileDigest:
+    async def _upload_single(self, fd: int, plan: Plan, key: str, if_absent: bool) -> FileDigest:
         async with self.pool.buffer(plan.size) as buf:
             await off_loop(read_exact, fd, 0, buf)
             digests = await off_loop(hash_chunks, buf, plan.part_size) if plan.size else []
@@ -111,11 +114,10 @@ class Transfer:
         pre: FileDigest | None = None
         if self.config.digest_metadata and not self.store.metadata_on_complete:
             pre = await self._hash_file(fd, plan)
-        what = f"upload of {path} to {key}"
         mpu: MultipartUpload = await self.store.create_multipart(
             key, plan.part_size, pre.metadata() if pre else None, if_absent=if_absent)
         try:
-            results = await gather_all(self._send_part(fd, plan, i, mpu, what) for i in range(plan.count))
+            results = await gather_all(self._send_part(fd, plan, i, mpu) for i in range(plan.count))
             digest = FileDigest(plan.size, plan.part_size, combine([d for _, d in results]))
             if pre is not None and pre.digest != digest.digest:
                 raise IntegrityError(f"{path} changed while it was being uploaded to {key}")
@@ -131,13 +133,13 @@ class Transfer:
         return digest
 
     async def _abort(self, mpu: MultipartUpload) -> None:
+        """Abort ``mpu``; a failure is logged (gc finds the upload later), never raised over the cause."""
         try:
             await mpu.abort()
-        except Exception:
-            pass
+        except Exception as exc:
+            log.warning("could not abort the multipart upload of %s: %s", mpu.key, exc)
 
-    async def _send_part(self, fd: int, plan: Plan, index: int, mpu: MultipartUpload, what: str
-                         ) -> tuple[PartInfo, bytes]:
+    async def _send_part(self, fd: int, plan: Plan, index: int, mpu: MultipartUpload) -> tuple[PartInfo, bytes]:
         offset, length = plan.part(index)
         async with self.pool.buffer(length) as buf:
             digest = await off_loop(read_and_hash, fd, offset, buf)

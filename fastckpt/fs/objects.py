@@ -65,14 +65,11 @@ class ObjectStoreHandler(FastckptHandler):
             return False
 
     async def _has_children(self, store: Store, key: str) -> bool:
-        async def first() -> bool:
-            async with contextlib.aclosing(store.list(key)) as found:
-                async for meta in found:
-                    if meta.key != key:
-                        return True
-            return False
-
-        return await first()
+        async with contextlib.aclosing(store.list(key)) as found:
+            async for meta in found:
+                if meta.key != key:
+                    return True
+        return False
 
     async def bucket_exists(self, store: Store) -> bool:
         """Whether the store's bucket exists (a listing does not fail with 'not found')."""
