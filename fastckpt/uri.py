@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
@@ -119,7 +120,7 @@ def parse_uri(uri: str | os.PathLike[str]) -> StorageURI:
     pairs = parse_qsl(parts.query, keep_blank_values=True)
     options = dict(pairs)
     if len(options) != len(pairs):
-        repeated = sorted({k for k, _ in pairs if [p for p, _ in pairs].count(k) > 1})
+        repeated = sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
         raise ValueError(f"invalid storage URI {text!r}: option(s) {repeated} given more than once")
     if backend is None:
         return StorageURI(text, scheme, "delegate", parts.netloc, unquote(parts.path).strip("/"), options)

@@ -8,7 +8,6 @@ the path itself when it is a checkpoint, else at its direct sub-prefixes.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -18,6 +17,7 @@ from typing import TypeVar
 from .._loop import run_sync
 from ..config import TransferConfig
 from ..engine.progress import ProgressCallback
+from ..engine.tasks import gather_bounded
 from ..engine.transfer import FileResult, Transfer
 from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError, StoreError
 from ..integrity import FileDigest
@@ -134,23 +134,13 @@ async def _list(store: Store, prefix: str) -> list[ObjectMeta]:
     return [m async for m in store.list(prefix)]
 
 
-async def _bounded(aws: list[Awaitable[T]]) -> list[T]:
-    limit = asyncio.Semaphore(_SCAN_CONCURRENCY)
-
-    async def one(aw: Awaitable[T]) -> T:
-        async with limit:
-            return await aw
-
-    return list(await asyncio.gather(*(one(a) for a in aws)))
-
-
 async def _candidates(store: Store, base: str) -> list[tuple[str, list[ObjectMeta]]]:
     """(key, metadata objects) of the checkpoint(s) at ``base``: itself, else its direct sub-prefixes."""
     own = await _list(store, meta_prefix(base))
     if own:
         return [(base, own)]
     _, dirs = await store.list_dir(base)
-    metas = await _bounded([_list(store, meta_prefix(d)) for d in dirs])
+    metas = await gather_bounded([_list(store, meta_prefix(d)) for d in dirs], _SCAN_CONCURRENCY)
     return [(d, m) for d, m in zip(dirs, metas, strict=True) if m]
 
 
@@ -195,7 +185,7 @@ async def _manifests(store: Store, objects: Iterable[ObjectMeta]) -> list[RankMa
         except (CheckpointError, ObjectNotFoundError):
             return None
 
-    return await _bounded([one(m) for m in objects])
+    return await gather_bounded([one(m) for m in objects], _SCAN_CONCURRENCY)
 
 
 # ----------------------------------------------------------------------------- opening
@@ -237,7 +227,7 @@ async def _load(store: Store, base: StorageURI, config: TransferConfig, allow_un
                                 f"{marker.attempt!r}, or records a failure")
         return m
 
-    results = await _bounded([manifest(r) for r in range(marker.world_size)])
+    results = await gather_bounded([manifest(r) for r in range(marker.world_size)], _SCAN_CONCURRENCY)
     problems = tuple(r for r in results if isinstance(r, BadFile))
     files: dict[str, FileDigest | None] = {}
     for m in results:
@@ -326,7 +316,7 @@ async def list_checkpoints_async(uri: str | StorageURI, *, config: TransferConfi
     """Checkpoints at ``uri`` (itself, or its direct sub-prefixes), sorted by name."""
     async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> list[CheckpointInfo]:
         found = await _candidates(store, base.key)
-        infos = await _bounded([_info(store, base, k, metas) for k, metas in found])
+        infos = await gather_bounded([_info(store, base, k, metas) for k, metas in found], _SCAN_CONCURRENCY)
         return sorted(infos, key=lambda i: i.name)
 
     return await _with_store(uri, config, run)
@@ -359,7 +349,7 @@ async def verify_async(uri: str | StorageURI, *, allow_uncommitted: bool = False
                 return BadFile(name, str(exc))
 
         try:
-            results = await _bounded([check(n, d) for n, d in sorted(ckpt.files.items())])
+            results = await gather_bounded([check(n, d) for n, d in sorted(ckpt.files.items())], _SCAN_CONCURRENCY)
         finally:
             transfer.close()
         bad = list(ckpt.problems) + [r for r in results if isinstance(r, BadFile)]

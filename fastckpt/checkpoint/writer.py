@@ -33,6 +33,7 @@ from .._loop import BackgroundLoop
 from ..config import TransferConfig
 from ..engine.io import local_files
 from ..engine.progress import ProgressCallback
+from ..engine.tasks import gather_bounded
 from ..engine.transfer import FileResult, Transfer
 from ..errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
 from ..integrity import FileDigest
@@ -320,23 +321,21 @@ class CheckpointWriter:
 
     async def _check_files(self, payloads: list[bytes]) -> None:
         """Root: every file named by the manifests still holds what its rank recorded (CheckpointError if not)."""
-        store, limit = self._rv.store, asyncio.Semaphore(CHECK_CONCURRENCY)
+        store = self._rv.store
         manifests = [RankManifest.decode(p, f"manifest of rank {r}") for r, p in enumerate(payloads)]
         entries = [(m.rank, e) for m in manifests for e in m.files]
 
         async def check(rank: int, entry: FileEntry) -> str | None:
-            key = self.uri.join(entry.name)
-            async with limit:
-                try:
-                    meta = await store.head(key)
-                except ObjectNotFoundError:
-                    return f"{entry.name!r} (written by rank {rank}) is gone"
+            try:
+                meta = await store.head(self.uri.join(entry.name))
+            except ObjectNotFoundError:
+                return f"{entry.name!r} (written by rank {rank}) is gone"
             found = FileDigest.from_metadata(meta.size, meta.metadata)
             if meta.size != entry.digest.size or found not in (None, entry.digest):
                 return f"{entry.name!r} no longer holds what rank {rank} wrote (replaced by another writer)"
             return None
 
-        problems = [p for p in await asyncio.gather(*(check(r, e) for r, e in entries)) if p]
+        problems = [p for p in await gather_bounded((check(r, e) for r, e in entries), CHECK_CONCURRENCY) if p]
         if problems:
             raise CheckpointError(f"checkpoint {self.uri.raw} not committed: " + "; ".join(problems[:5]))
 

@@ -1,4 +1,4 @@
-"""Running many coroutines so that the first failure cancels the rest."""
+"""Running many coroutines: the first failure cancelling the rest, or a bounded number at a time."""
 
 from __future__ import annotations
 
@@ -19,3 +19,14 @@ async def gather_all(aws: Iterable[Awaitable[T]]) -> list[T]:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+async def gather_bounded(aws: Iterable[Awaitable[T]], limit: int) -> list[T]:
+    """Like ``asyncio.gather`` with at most ``limit`` of ``aws`` running at once."""
+    sem = asyncio.Semaphore(limit)
+
+    async def one(aw: Awaitable[T]) -> T:
+        async with sem:
+            return await aw
+
+    return list(await asyncio.gather(*(one(a) for a in aws)))

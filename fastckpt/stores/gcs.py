@@ -7,10 +7,8 @@ into the target, setting its metadata, then deletes the temporaries. ``abort`` d
 under the upload's prefix; ``list`` / ``list_dir`` never show it, ``list_pending_uploads`` finds it.
 
 Create-if-absent uses ``ifGenerationMatch=0``, on uploads and on the final compose of a composite
-upload. Some emulators (fake-gcs-server) ignore it on compose: ``FASTCKPT_GCS_IF_ABSENT`` decides what
-happens there. ``auto`` (default): trusted on Google's endpoint; on a custom endpoint probed once per
-endpoint and bucket, and where ignored, a create-if-absent compose raises StoreError rather than risk
-an overwrite. ``trust``: no probe. ``best-effort``: where ignored, HEAD before the compose (racy).
+upload. Some emulators (fake-gcs-server) ignore it on compose; ``FASTCKPT_GCS_IF_ABSENT`` decides what
+happens there (modes in ``stores.conditional``; Google's own endpoint is trusted).
 
 Every upload carries its CRC32C, which GCS checks;
 the CRC32C the server reports back is compared too, so an emulator that does not check is covered.
@@ -49,6 +47,7 @@ from ..config import TransferConfig
 from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError, TransientStoreError
 from ..uri import StorageURI
 from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+from .conditional import IfAbsentGuard
 
 T = TypeVar("T")
 log = logging.getLogger("fastckpt")
@@ -62,9 +61,6 @@ CONTENT_TYPE = "application/octet-stream"
 _PART_RE = re.compile(r"^(?P<dir>(?:.*/)?)" + re.escape(PARTS_DIR) + r"/(?P<name>[^/]+)\.(?P<id>[0-9a-f]+)/[^/]+$")
 _CRC_OFF_LOOP = 1 << 20
 _CRC_STEP = 4 << 20
-_IF_ABSENT_MODES = ("auto", "trust", "best-effort")
-# (endpoint, bucket) -> whether compose honours ifGenerationMatch=0 (probed once).
-_COMPOSE_CONDITIONAL: dict[tuple[str, str], bool] = {}
 
 
 def parts_prefix(key: str, upload_id: str) -> str:
@@ -216,10 +212,8 @@ class GCSStore(Store):
         max_connections: int = 64,
         if_absent_mode: str = "auto",
     ) -> None:
-        if if_absent_mode not in _IF_ABSENT_MODES:
-            raise ValueError(f"invalid create-if-absent mode {if_absent_mode!r}: expected one of {_IF_ABSENT_MODES}")
-        self.if_absent_mode = if_absent_mode
-        self._probe_lock = asyncio.Lock()
+        self.compose_if_absent = IfAbsentGuard(if_absent_mode, "FASTCKPT_GCS_IF_ABSENT",
+                                               "ifGenerationMatch=0 on compose")
         emulator = os.environ.get("STORAGE_EMULATOR_HOST", "").strip()
         if endpoint and not re.match(r"^https?://", endpoint):
             raise ValueError(f"GCS endpoint_override {endpoint!r} must start with http:// or https://")
@@ -400,26 +394,12 @@ class GCSStore(Store):
         return await self._call(f"compose of {self.url(key)}", send)
 
     async def check_compose_if_absent(self, key: str) -> None:
-        """Make a create-if-absent compose of ``key`` safe: return when the server honours
-        ``ifGenerationMatch=0`` on compose; else StoreError, or in best-effort mode AlreadyExistsError
-        when ``key`` exists."""
-        if self.if_absent_mode == "trust" or self.endpoint == DEFAULT_ENDPOINT:
-            return
-        cache = (self.endpoint, self.bucket)
-        async with self._probe_lock:
-            if cache not in _COMPOSE_CONDITIONAL:
-                _COMPOSE_CONDITIONAL[cache] = await self._probe_compose(key)
-        if _COMPOSE_CONDITIONAL[cache]:
-            return
-        if self.if_absent_mode != "best-effort":
-            raise StoreError(f"GCS endpoint {self.endpoint} ignores ifGenerationMatch=0 on compose, so a "
-                             f"create-if-absent of {self.url(key)} cannot be made safe; set "
-                             "FASTCKPT_GCS_IF_ABSENT=best-effort to accept a HEAD-then-compose (racy)")
-        try:
-            await self.head(key)
-        except ObjectNotFoundError:
-            return
-        raise AlreadyExistsError(f"{self.url(key)} already exists")
+        """Make a create-if-absent compose of ``key`` safe (``stores.conditional``): return to compose with
+        ``ifGenerationMatch=0`` (or, in best-effort mode, when a HEAD found ``key`` absent); raise otherwise."""
+        await self.compose_if_absent.check(
+            endpoint=None if self.endpoint == DEFAULT_ENDPOINT else self.endpoint, shown=self.endpoint,
+            bucket=self.bucket, where=self.url(key), probe=lambda: self._probe_compose(key),
+            head=lambda: self.head(key))
 
     async def _probe_compose(self, key: str) -> bool:
         """Whether a compose onto an existing throw-away object with ``ifGenerationMatch=0`` is refused."""

@@ -117,23 +117,21 @@ class RetryingStore(Store):
             async for meta in super().list(prefix):
                 yield meta
             return
-        attempt = 0
-        while True:
+        items: AsyncIterator[ObjectMeta] | None = None
+
+        async def first() -> ObjectMeta:  # a fresh listing each try, until one yields its first object
+            nonlocal items
             items = self.inner.list(prefix).__aiter__()
-            try:
-                first = await items.__anext__()
-            except StopAsyncIteration:
-                return
-            except Exception as exc:
-                if not is_retryable(exc) or attempt >= self.config.retries:
-                    raise
-                await asyncio.sleep(backoff(self.config, attempt))
-                attempt += 1
-                continue
-            yield first
-            async for meta in items:
-                yield meta
+            return await items.__anext__()
+
+        try:
+            meta = await self._retry(f"listing of {prefix}", first)
+        except StopAsyncIteration:
             return
+        yield meta
+        assert items is not None
+        async for meta in items:
+            yield meta
 
     async def list_dir(self, prefix: str = "") -> tuple[list[ObjectMeta], list[str]]:
         if self.paged:

@@ -72,6 +72,7 @@ from ..config import TransferConfig
 from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError, TransientStoreError
 from ..uri import StorageURI
 from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+from .conditional import IfAbsentGuard
 
 MiB = 1 << 20
 DELETE_BATCH = 1000
@@ -87,11 +88,8 @@ _TRANSIENT_CODES = {
     "RequestTimeoutException", "PriorRequestNotComplete", "BadDigest",
 }
 _NO_CONDITIONAL_CODES = {"NotImplemented", "InvalidArgument", "InvalidRequest", "UnsupportedOperation"}
-_IF_ABSENT_MODES = ("auto", "trust", "best-effort")
 
 _CLIENT_ERRORS = (BotoCoreError, ClientError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
-# (endpoint, bucket) -> whether the server honours If-None-Match: * on PutObject (probed once).
-_CONDITIONAL_SUPPORT: dict[tuple[str, str], bool] = {}
 
 
 class _NoSuchUpload(StoreError):
@@ -259,8 +257,7 @@ class S3Store(Store):
         page_size: int = 1000,
         expect_continue: bool = False,
     ) -> None:
-        if if_absent_mode not in _IF_ABSENT_MODES:
-            raise ValueError(f"invalid create-if-absent mode {if_absent_mode!r}: expected one of {_IF_ABSENT_MODES}")
+        self.if_absent = IfAbsentGuard(if_absent_mode, "FASTCKPT_S3_IF_ABSENT", "If-None-Match: *")
         self.bucket = bucket
         self.endpoint_url = endpoint_url
         self.endpoint = _display(endpoint_url)
@@ -274,13 +271,11 @@ class S3Store(Store):
         self.copy_bodies = request_checksum_calculation != "when_required"
         self.payload_signing = payload_signing
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
-        self.if_absent_mode = if_absent_mode
         self.page_size = page_size
         self.expect_continue = expect_continue
         self._client: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._client_lock = asyncio.Lock()
-        self._probe_lock = asyncio.Lock()
         self._connected = False
         self._bucket_ok = False
 
@@ -510,32 +505,10 @@ class S3Store(Store):
         ``If-None-Match: *`` where the server honours it; in best-effort mode on servers that ignore it,
         a HEAD first (AlreadyExistsError when present; racy); otherwise StoreError.
         """
-        if await self._conditional_supported(key):
-            return {"IfNoneMatch": "*"}
-        if self.if_absent_mode != "best-effort":
-            raise StoreError(
-                f"endpoint {self.endpoint} ignores If-None-Match: *, so create-if-absent of {self.where(key)} "
-                "cannot be made safe; set FASTCKPT_S3_IF_ABSENT=best-effort to accept a HEAD-then-write (racy)")
-        if await self._exists(key):
-            raise AlreadyExistsError(f"{self.where(key)} already exists")
-        return {}
-
-    async def _exists(self, key: str) -> bool:
-        try:
-            await self.head(key)
-            return True
-        except ObjectNotFoundError:
-            return False
-
-    async def _conditional_supported(self, key: str) -> bool:
-        """Whether the server honours ``If-None-Match: *`` (probed once per endpoint and bucket)."""
-        if self.if_absent_mode == "trust" or self.endpoint_url is None:
-            return True
-        cache = (self.endpoint_url, self.bucket)
-        async with self._probe_lock:
-            if cache not in _CONDITIONAL_SUPPORT:
-                _CONDITIONAL_SUPPORT[cache] = await self._probe_conditional(key)
-        return _CONDITIONAL_SUPPORT[cache]
+        honoured = await self.if_absent.check(endpoint=self.endpoint_url, shown=self.endpoint, bucket=self.bucket,
+                                              where=self.where(key), probe=lambda: self._probe_conditional(key),
+                                              head=lambda: self.head(key))
+        return {"IfNoneMatch": "*"} if honoured else {}
 
     async def _probe_conditional(self, key: str) -> bool:
         probe = posixpath.join(posixpath.dirname(key), f".fastckpt-probe-{secrets.token_hex(8)}")
