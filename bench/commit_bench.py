@@ -43,7 +43,7 @@ sys.path.insert(0, ROOT)
 from fastckpt import CheckpointWriter, TransferConfig, open_store  # noqa: E402
 from fastckpt.checkpoint import InProcessBarrier, StoreBarrier  # noqa: E402
 from fastckpt.stores.base import Store  # noqa: E402
-from fastckpt.stores.faults import FaultInjectingStore  # noqa: E402
+from harness.faults import FaultInjectingStore  # noqa: E402
 
 CONFIG = TransferConfig(part_size=1 << 20, multipart_threshold=8 << 20, max_in_flight=2, retries=3)
 FILE_SIZE = 1024

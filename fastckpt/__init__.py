@@ -27,6 +27,7 @@ from .engine.transfer import FileResult
 from .errors import (
     AccessDeniedError,
     AlreadyExistsError,
+    BucketNotFoundError,
     CheckpointError,
     FastckptError,
     IntegrityError,
@@ -43,6 +44,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDeniedError",
     "AlreadyExistsError",
+    "BucketNotFoundError",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointWriter",

@@ -46,6 +46,10 @@ class ObjectNotFoundError(StoreError, FileNotFoundError):
     """The object (or bucket / container) does not exist."""
 
 
+class BucketNotFoundError(ObjectNotFoundError):
+    """The bucket (or container) itself does not exist, not just one object in it."""
+
+
 class AlreadyExistsError(StoreError, FileExistsError):
     """A create-if-absent write found the object already there."""
 

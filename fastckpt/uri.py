@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import os
 import re
 from collections import Counter
@@ -23,13 +25,9 @@ BACKEND_OF_SCHEME = {
     "mem": "memory",
 }
 
-KNOWN_OPTIONS = {
-    "s3": {"endpoint_override", "region", "scheme", "profile", "anonymous", "addressing_style"},
-    "gcs": {"endpoint_override", "project", "anonymous"},
-    "azure": {"account", "endpoint_override", "endpoint_suffix", "anonymous"},
-    "local": set(),
-    "memory": set(),
-}
+ENTRY_POINTS = "fastckpt.stores"
+"""Entry-point group of third-party backends: name = URI scheme, value = ``module:factory`` where
+``factory(uri: StorageURI, config: TransferConfig) -> Store`` (built-in schemes take precedence)."""
 
 _BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 _AZURE_HOST_RE = re.compile(
@@ -93,6 +91,22 @@ def parse_flag(name: str, value: str | None, where: str) -> bool | None:
     raise ValueError(f"invalid {where}: option {name}={value!r} is not a boolean (use true or false)")
 
 
+def check_options(uri: StorageURI, known: frozenset[str]) -> dict[str, str]:
+    """``uri``'s options; ValueError naming any that its backend (which takes ``known``) does not."""
+    unknown = set(uri.options) - known
+    if unknown:
+        raise ValueError(f"invalid storage URI {uri.raw!r}: unknown option(s) {sorted(unknown)}; "
+                         f"{uri.backend} takes {sorted(known)}")
+    return uri.options
+
+
+@functools.cache
+def plugin_schemes() -> frozenset[str]:
+    """URI schemes that installed third-party backends register (entry-point group ``ENTRY_POINTS``)."""
+    return frozenset(ep.name.lower() for ep in importlib.metadata.entry_points(group=ENTRY_POINTS)
+                     if ep.name.lower() not in BACKEND_OF_SCHEME)
+
+
 def join_key(*parts: str) -> str:
     """Join key parts with '/', dropping empty parts and duplicate slashes."""
     return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
@@ -123,13 +137,8 @@ def parse_uri(uri: str | os.PathLike[str]) -> StorageURI:
         repeated = sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
         raise ValueError(f"invalid storage URI {text!r}: option(s) {repeated} given more than once")
     if backend is None:
-        return StorageURI(text, scheme, "delegate", parts.netloc, unquote(parts.path).strip("/"), options)
-    unknown = set(options) - KNOWN_OPTIONS[backend]
-    if unknown:
-        raise ValueError(
-            f"invalid storage URI {text!r}: unknown option(s) {sorted(unknown)}; "
-            f"{backend} takes {sorted(KNOWN_OPTIONS[backend])}"
-        )
+        backend = scheme if scheme in plugin_schemes() else "delegate"
+        return StorageURI(text, scheme, backend, parts.netloc, unquote(parts.path).strip("/"), options)
     path = unquote(parts.path)
     if backend == "local":
         if parts.netloc not in ("", "localhost"):

@@ -2,7 +2,8 @@
 
 A server module ``tests/servers/<name>.py`` (backend ``<name>``) defines a fixture ``<name>_uri`` returning the base URI
 of a fresh, empty prefix on that server (creating the bucket / container as needed). The conformance
-suite runs once per backend: memory, local, and every server module found.
+suite runs once per backend: memory, local, and every server module found; or, with
+``--store-uri URI``, against that one location only (how a third-party backend runs the suite).
 """
 
 from __future__ import annotations
@@ -29,15 +30,26 @@ def small_config(**overrides: object) -> TransferConfig:
     return TransferConfig(**base)  # type: ignore[arg-type]
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    """Name of the backend under test."""
-    return request.param
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--store-uri", default=None, help="run every per-backend test (the conformance suite and "
+                     "the checkpoint writers) against this base URI only, e.g. a third-party backend's")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``backend``: each of BACKENDS, or ``custom`` (the ``--store-uri``) alone."""
+    if "backend" not in metafunc.fixturenames:
+        return
+    if any("backend" in marker.args[0] for marker in metafunc.definition.iter_markers("parametrize")):
+        return
+    metafunc.parametrize("backend", ["custom"] if metafunc.config.getoption("store_uri") else BACKENDS)
 
 
 @pytest.fixture
 def store_uri(backend: str, tmp_path, request: pytest.FixtureRequest) -> str:
     """Base URI of a fresh prefix on ``backend``."""
+    if backend == "custom":
+        base, _, query = request.config.getoption("store_uri").partition("?")
+        return f"{base.rstrip('/')}/t-{uuid.uuid4().hex[:8]}" + (f"?{query}" if query else "")
     if backend == "memory":
         return f"memory://conf-{uuid.uuid4().hex[:8]}/base"
     if backend == "local":

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from fastckpt import AlreadyExistsError, ObjectNotFoundError
+from fastckpt import AlreadyExistsError, ObjectNotFoundError, open_store, parse_uri
 from fastckpt.engine.plan import plan_upload
 from fastckpt.engine.transfer import Transfer
 from fastckpt.integrity import FileDigest
@@ -67,6 +67,19 @@ async def test_directory_roundtrip_nested_unicode(store, tmp_path) -> None:
     await fastckpt.download_async(dst + query, out, config=small_config())
     for rel in files:
         assert (out / rel).read_bytes() == (src / rel).read_bytes()
+
+
+@pytest.mark.parametrize("name", ["plain.bin", "sp ace/ünï #1?x=%41.bin"])
+async def test_uri_round_trip(store, name: str) -> None:
+    """parse(uri_of(store)) == store: the URI a store hands back opens an equal store, naming the same key."""
+    s, uri = store
+    key = uri.join(name)
+    await s.put(key, b"round trip")
+    parsed = parse_uri(s.uri(key))
+    async with open_store(parsed, small_config()) as again:
+        assert again.location == s.location
+        assert parsed.key == key
+        assert await again.get_range(parsed.key, 0, 100) == b"round trip"
 
 
 async def test_list_and_list_dir(store) -> None:

@@ -11,9 +11,9 @@ import fastckpt
 from fastckpt import IntegrityError, ObjectNotFoundError, StoreError, TransientStoreError
 from fastckpt.engine.pool import BufferPool
 from fastckpt.engine.transfer import Transfer
-from fastckpt.stores.faults import FaultInjectingStore
 from fastckpt.stores.local import LocalStore
 from fastckpt.stores.memory import MemoryStore
+from harness.faults import FaultInjectingStore
 
 from .conftest import small_config
 

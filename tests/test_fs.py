@@ -23,7 +23,7 @@ from fastckpt import IntegrityError, StoreError, TransferConfig
 from fastckpt.engine.plan import plan_upload
 from fastckpt.integrity import FileDigest
 from fastckpt.stores.base import Store
-from fastckpt.stores.faults import FaultInjectingStore
+from harness.faults import FaultInjectingStore
 
 from .conftest import small_config
 

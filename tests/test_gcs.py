@@ -15,8 +15,8 @@ import fastckpt
 from fastckpt import AccessDeniedError, ObjectNotFoundError, StoreError, TransientStoreError, open_store, parse_uri
 from fastckpt.engine.transfer import Transfer
 from fastckpt.integrity import FileDigest
-from fastckpt.stores.faults import FaultInjectingStore
-from fastckpt.stores.gcs import COMPOSE_LIMIT, PARTS_DIR, GCSStore, parts_prefix
+from fastckpt.stores.gcs import COMPOSE_LIMIT, PARTS_DIR, GCSOptions, GCSStore, parts_prefix
+from harness.faults import FaultInjectingStore
 from harness.procs import free_port
 
 from .conftest import small_config
@@ -224,7 +224,7 @@ async def test_folder_placeholders_are_not_files(gcs, gcs_server: str) -> None:
 
 async def test_compose_that_ignores_preconditions_is_refused_by_default(gcs_server: str) -> None:
     """fake-gcs-server ignores ifGenerationMatch=0 on compose: detected, and a create-if-absent refused."""
-    async with GCSStore(BUCKET, endpoint=gcs_server, if_absent_mode="auto") as store:
+    async with GCSStore(BUCKET, GCSOptions(gcs_server, anonymous=True, if_absent_mode="auto")) as store:
         key = f"cond-{uuid.uuid4().hex[:8]}/obj"
         await store.put(key, b"first")
         mpu = await store.create_multipart(key, 4, if_absent=True)

@@ -6,9 +6,9 @@ import pytest
 
 from fastckpt import StoreError, TransientStoreError, open_store
 from fastckpt.stores.base import ListPage, Store
-from fastckpt.stores.faults import FaultInjectingStore
 from fastckpt.stores.memory import MemoryStore
 from fastckpt.stores.retry import RetryingStore, retrying
+from harness.faults import FaultInjectingStore
 
 from .conftest import small_config
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+import aiohttp
 import boto3
 import pytest
 
@@ -33,8 +34,8 @@ from fastckpt import (
 from fastckpt.engine.plan import plan_upload
 from fastckpt.engine.transfer import Transfer
 from fastckpt.integrity import META_CHUNK, META_DIGEST, FileDigest
-from fastckpt.stores.faults import FaultInjectingStore
-from fastckpt.stores.s3 import S3Store, resolve_endpoint
+from fastckpt.stores.s3 import S3Store, resolve_endpoint, response_stream
+from harness.faults import FaultInjectingStore
 from harness.procs import free_port
 from harness.s3 import BUCKET, MotoServer, start_moto, stop_moto
 
@@ -573,3 +574,18 @@ def test_hash_in_uri_is_an_error_not_a_request_to_aws(moto_server: MotoServer, t
     assert good.returncode == 0, good.stderr
     client = boto3.client("s3", endpoint_url=moto_server.endpoint)
     assert client.get_object(Bucket=BUCKET, Key="hash/k#1")["Body"].read() == b"payload"
+
+
+async def test_sdk_internals_this_backend_reads_keep_their_shape(s3) -> None:
+    """``response_stream`` is the one private aiobotocore attribute read: a real response has it, and a body
+    without it fails with an error naming the SDK, not an AttributeError deep in a download."""
+    store, uri = s3
+    await store.put(uri.join("shape"), b"0123456789")
+    resp = await store.inner.call("get_object", uri.join("shape"), Key=uri.join("shape"), Range="bytes=2-5")
+    try:
+        stream = response_stream(resp["Body"])
+        assert isinstance(stream, aiohttp.StreamReader) and await stream.read() == b"2345"
+    finally:
+        resp["Body"].close()
+    with pytest.raises(StoreError, match=r"aiobotocore \S+ changed shape"):
+        response_stream(object())

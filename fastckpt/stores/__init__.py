@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 
 from ..config import TransferConfig
-from ..uri import StorageURI, parse_uri
+from ..uri import ENTRY_POINTS, StorageURI, parse_uri, plugin_schemes
 from .base import MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
 from .retry import RetryingStore
 
@@ -19,12 +20,26 @@ _FACTORIES = {
 }
 
 
+def _factory_target(backend: str) -> tuple[str, str] | None:
+    """(module, attribute) of ``backend``'s factory: built in, or a third-party entry point."""
+    if backend in _FACTORIES:
+        module, _, func = _FACTORIES[backend].partition(":")
+        return module, func
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        if ep.name.lower() == backend:
+            module, _, func = ep.value.partition(":")
+            return module.strip(), func.strip()
+    return None
+
+
 def backend_status() -> dict[str, str]:
-    """``available`` for each backend whose module imports, else the import error (for ``fastckpt doctor``)."""
+    """``available`` for each backend (built in or installed as a plug-in) whose module imports, else the
+    import error (for ``fastckpt doctor``)."""
     status = {}
-    for name, target in _FACTORIES.items():
+    for name in [*_FACTORIES, *sorted(plugin_schemes())]:
+        module, _ = _factory_target(name)  # type: ignore[misc]
         try:
-            importlib.import_module(target.split(":")[0])
+            importlib.import_module(module)
             status[name] = "available"
         except ImportError as exc:
             status[name] = f"unavailable: {exc}"
@@ -34,15 +49,17 @@ def backend_status() -> dict[str, str]:
 def open_store(uri: str | StorageURI, config: TransferConfig | None = None, *, retry: bool = True) -> Store:
     """A store for ``uri``'s backend and bucket. Keys passed to it are full keys (``uri.key`` + ...).
 
+    The backend is built in or a plug-in registered under the entry-point group ``fastckpt.stores``.
     Its requests are retried per ``stores.retry`` unless ``retry`` is False (to wrap it first, e.g. in
     fault injection, then apply ``retrying``).
     """
     parsed = parse_uri(uri) if isinstance(uri, str) else uri
-    target = _FACTORIES.get(parsed.backend)
+    target = _factory_target(parsed.backend)
     if target is None:
         raise ValueError(f"{parsed.raw!r}: scheme {parsed.scheme!r} has no fastckpt backend "
-                         f"(supported: {', '.join(sorted(_FACTORIES))}); use fastckpt.fs for delegation")
-    module, func = target.split(":")
+                         f"(supported: {', '.join(sorted({*_FACTORIES, *plugin_schemes()}))}); "
+                         "use fastckpt.fs for delegation")
+    module, func = target
     try:
         factory = getattr(importlib.import_module(module), func)
     except ImportError as exc:

@@ -20,8 +20,8 @@ import os
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -33,30 +33,29 @@ from azure.core.exceptions import (
     ServiceResponseError,
 )
 from azure.core.pipeline.transport import AioHttpTransport
+from azure.storage.blob import __version__ as VERSION
 from azure.storage.blob.aio import BlobClient, BlobPrefix, ContainerClient
 
 from ..config import TransferConfig
-from ..errors import (
-    AccessDeniedError,
-    AlreadyExistsError,
-    ObjectNotFoundError,
-    StoreError,
-    TransientStoreError,
-)
-from ..uri import StorageURI, parse_flag
+from ..engine.tasks import gather_bounded
+from ..errors import AccessDeniedError, BucketNotFoundError, ObjectNotFoundError, StoreError
+from ..uri import StorageURI, check_options, parse_flag
 from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+from .classify import ErrorTable, classify, unreachable
 
 MiB = 1 << 20
 EMULATOR_ACCOUNT = "devstoreaccount1"
 # Azurite's and the storage emulator's published well-known key (public; used only for devstoreaccount1).
 EMULATOR_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 _MAX_PUT_BLOB = 5000 * MiB
-_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
-_TRANSIENT_CODES = {"ServerBusy", "OperationTimedOut", "InternalError", "Md5Mismatch", "Crc64Mismatch"}
-
-
-class ContainerNotFoundError(ObjectNotFoundError):
-    """The container itself is missing (not just one blob)."""
+ERRORS = ErrorTable(
+    "azure",
+    bucket_missing=frozenset({"ContainerNotFound"}),
+    not_found=frozenset({"BlobNotFound"}),
+    conflict=frozenset({"BlobAlreadyExists", "ConditionNotMet"}),
+    denied=frozenset({"AuthenticationFailed", "AuthorizationFailure", "AuthorizationPermissionMismatch"}),
+    transient=frozenset({"ServerBusy", "OperationTimedOut", "InternalError", "Md5Mismatch", "Crc64Mismatch"}),
+)
 
 
 # ----------------------------------------------------------------------------- metadata names
@@ -98,15 +97,38 @@ def _decode_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class AzureEndpoint:
-    """Where and as whom to connect. ``credential`` is a key, a SAS string, None (anonymous) or
-    ``"default"`` (``DefaultAzureCredential``, created in the running loop)."""
+class AzureOptions:
+    """Where and as whom to connect, from the URI's options (``QUERY``) and the ``AZURE_STORAGE_*``
+    environment (module doc). ``kind`` is ``key``, ``sas``, ``anonymous`` or ``default``
+    (``DefaultAzureCredential``, created in the running loop); ``secret`` is never shown."""
 
+    QUERY: ClassVar[frozenset[str]] = frozenset({"account", "endpoint_override", "endpoint_suffix", "anonymous"})
     account: str
     url: str
-    credential: AzureNamedKeyCredential | str | None
+    kind: str
     source: str
     """Where the credential came from, for error messages (never the secret itself)."""
+    secret: str = field(default="", repr=False)
+    content_md5: bool = True
+
+    @classmethod
+    def from_uri(cls, uri: StorageURI, env: Mapping[str, str] = os.environ) -> AzureOptions:
+        """The options ``uri`` and ``env`` give; ValueError for an option Azure does not take."""
+        return resolve_endpoint(check_options(uri, cls.QUERY), env)
+
+    @property
+    def credential(self) -> AzureNamedKeyCredential | str | None:
+        """The SDK credential: a named key, a SAS string, None (anonymous) or ``"default"``."""
+        if self.kind == "key":
+            return AzureNamedKeyCredential(self.account, self.secret)
+        return {"sas": self.secret, "anonymous": None}.get(self.kind, "default")
+
+    def query(self) -> dict[str, str]:
+        """URI options that give these options back (with the same environment)."""
+        pairs = {"account": self.account, "anonymous": "true" if self.kind == "anonymous" else None,
+                 "endpoint_override": None if re.fullmatch(r"https://[a-z0-9]+\.blob\.core\.windows\.net", self.url)
+                 else self.url}
+        return {k: v for k, v in pairs.items() if v}
 
 
 def parse_connection_string(text: str) -> dict[str, str]:
@@ -115,7 +137,7 @@ def parse_connection_string(text: str) -> dict[str, str]:
     return {k.strip().lower(): v.strip() for k, _, v in pairs}
 
 
-def resolve_endpoint(options: Mapping[str, str], env: Mapping[str, str] | None = None) -> AzureEndpoint:
+def resolve_endpoint(options: Mapping[str, str], env: Mapping[str, str] | None = None) -> AzureOptions:
     """Account URL and credential from URI options and the ``AZURE_STORAGE_*`` environment variables."""
     env = os.environ if env is None else env
     conn = parse_connection_string(env.get("AZURE_STORAGE_CONNECTION_STRING", ""))
@@ -146,27 +168,28 @@ def resolve_endpoint(options: Mapping[str, str], env: Mapping[str, str] | None =
 
     env_key = env.get("AZURE_STORAGE_ACCOUNT_KEY") or env.get("AZURE_STORAGE_KEY")
     sas = env.get("AZURE_STORAGE_SAS_TOKEN")
-    credential: AzureNamedKeyCredential | str | None
     if parse_flag("anonymous", options.get("anonymous"), "Azure storage URI"):
-        credential, source = None, "anonymous access"
+        kind, secret, source = "anonymous", "", "anonymous access"
     elif use_conn and conn.get("accountkey"):
-        credential = AzureNamedKeyCredential(account, conn["accountkey"])
+        kind, secret = "key", conn["accountkey"]
         source = "UseDevelopmentStorage" if devstore else "the key in AZURE_STORAGE_CONNECTION_STRING"
     elif use_conn and conn.get("sharedaccesssignature"):
-        credential, source = conn["sharedaccesssignature"].lstrip("?"), "the SAS in AZURE_STORAGE_CONNECTION_STRING"
+        kind, secret = "sas", conn["sharedaccesssignature"].lstrip("?")
+        source = "the SAS in AZURE_STORAGE_CONNECTION_STRING"
     elif env_key and env_account in (None, account):
-        credential, source = AzureNamedKeyCredential(account, env_key), "the account key from the environment"
+        kind, secret, source = "key", env_key, "the account key from the environment"
     elif sas:
-        credential, source = sas.lstrip("?"), "AZURE_STORAGE_SAS_TOKEN"
+        kind, secret, source = "sas", sas.lstrip("?"), "AZURE_STORAGE_SAS_TOKEN"
     elif account == EMULATOR_ACCOUNT and override:
-        credential, source = AzureNamedKeyCredential(account, EMULATOR_KEY), "the emulator's well-known key"
+        kind, secret, source = "key", EMULATOR_KEY, "the emulator's well-known key"
     else:
         if importlib.util.find_spec("azure.identity") is None:
             raise AccessDeniedError(
                 f"no credentials for Azure storage account {account!r}: set AZURE_STORAGE_CONNECTION_STRING, "
                 "AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, or install azure-identity")
-        credential, source = "default", "DefaultAzureCredential"
-    return AzureEndpoint(account, url, credential, source)
+        kind, secret, source = "default", "", "DefaultAzureCredential"
+    md5 = env.get("FASTCKPT_AZURE_CONTENT_MD5", "1").lower() not in ("0", "false", "no", "off")
+    return AzureOptions(account, url, kind, source, secret, md5)
 
 
 # ----------------------------------------------------------------------------- the store
@@ -176,17 +199,18 @@ class AzureStore(Store):
     """Blobs of one container. The client is made on first use, in the loop that drives the store."""
 
     name = "azure"
+    scheme = "az"
     min_part_size = 1
     max_part_size = 4000 * MiB
     max_parts = 50_000
     metadata_on_complete = True
 
-    def __init__(self, container: str, endpoint: AzureEndpoint, *, max_connections: int = 16,
-                 content_md5: bool = True, connection_timeout: float = 20, read_timeout: float = 60) -> None:
-        self.container = container
-        self.endpoint = endpoint
+    def __init__(self, container: str, options: AzureOptions, *, max_connections: int = 16,
+                 connection_timeout: float = 20, read_timeout: float = 60) -> None:
+        self.container = self.bucket = container
+        self.endpoint = self.options = options
         self.max_connections = max_connections
-        self.content_md5 = content_md5
+        self.content_md5 = options.content_md5
         self._timeouts = (connection_timeout, read_timeout)
         self._client: ContainerClient | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -239,29 +263,19 @@ class AzureStore(Store):
         where = self.url(key) if key is not None else f"container {self.container!r} of account " \
                                                        f"{self.endpoint.account!r}"
         if isinstance(exc, (ServiceRequestError, ServiceResponseError, asyncio.TimeoutError, aiohttp.ClientError)):
-            return TransientStoreError(f"{where}: connection to {self.endpoint.url} failed: {type(exc).__name__}")
+            return unreachable("azure", where, f"connection to {self.endpoint.url} failed: {type(exc).__name__}",
+                               key=key)
         if isinstance(exc, ClientAuthenticationError) and exc.response is None:
-            return AccessDeniedError(f"{where}: could not get a token from {self.endpoint.source}")
+            return AccessDeniedError(f"{where}: could not get a token from {self.endpoint.source}", key=key,
+                                     backend="azure")
         if not isinstance(exc, HttpResponseError):
-            return StoreError(f"{where}: {type(exc).__name__}: {_redact(str(exc))}")
-        status = exc.status_code or 0
+            return StoreError(f"{where}: {type(exc).__name__}: {_redact(str(exc))}", key=key, backend="azure")
         code = getattr(exc, "error_code", None) or (exc.response.headers.get("x-ms-error-code", "")
                                                     if exc.response is not None else "")
-        code = str(getattr(code, "value", code))
-        if code == "ContainerNotFound":
-            return ContainerNotFoundError(f"Azure container {self.container!r} does not exist in storage account "
-                                          f"{self.endpoint.account!r} ({self.endpoint.url})")
-        if status in (401, 403):
-            return AccessDeniedError(
-                f"access to {where} denied ({status} {code or 'Forbidden'}): check the credentials "
-                f"({self.endpoint.source}) and their permissions on storage account {self.endpoint.account!r}")
-        if status == 404:
-            return ObjectNotFoundError(f"{where} does not exist")
-        if if_absent and (status in (409, 412) or code in ("BlobAlreadyExists", "ConditionNotMet")):
-            return AlreadyExistsError(f"{where} already exists")
-        if status in _TRANSIENT_STATUS or code in _TRANSIENT_CODES:
-            return TransientStoreError(f"{where}: {status} {code}".rstrip())
-        return StoreError(f"{where}: {status} {code or exc.reason or ''}".rstrip())
+        return classify(ERRORS, exc.status_code or 0, str(getattr(code, "value", code)), place=where, key=key,
+                        bucket=f"Azure container {self.container!r}", if_absent=if_absent, detail=exc.reason or "",
+                        at=f" in storage account {self.endpoint.account!r} ({self.endpoint.url})",
+                        denied_hint=f"check the credentials ({self.endpoint.source}) and their permissions")
 
     async def _md5(self, data: Buffer) -> bytes | None:
         if not self.content_md5 or not len(data):
@@ -292,15 +306,15 @@ class AzureStore(Store):
         if not len(buf):
             return 0
         try:
-            response = await self._blob(key)._client.blob.download(
-                range=f"bytes={start}-{start + len(buf) - 1}", cls=lambda pipeline_response, *_: pipeline_response)
+            body = await get_blob_response(self._blob(key), f"bytes={start}-{start + len(buf) - 1}")
         except HttpResponseError as exc:
             if exc.status_code == 416:  # start at or past the end
                 return 0
             raise self._error(exc, key) from exc
+        except StoreError:
+            raise
         except Exception as exc:
             raise self._error(exc, key) from exc
-        body = response.http_response.internal_response
         pos = 0
         try:
             async for chunk, _ in body.content.iter_chunks():
@@ -360,16 +374,7 @@ class AzureStore(Store):
                 raise err from exc
 
     async def delete_many(self, keys: list[str]) -> None:
-        limit = asyncio.Semaphore(self.max_connections)
-
-        async def one(key: str) -> None:
-            async with limit:
-                await self.delete(key)
-
-        results = await asyncio.gather(*(one(k) for k in keys), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        await gather_bounded([self.delete(k) for k in keys], self.max_connections)
 
     async def create_multipart(
         self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
@@ -401,10 +406,29 @@ class AzureStore(Store):
         is the only way to); blocks staged over a committed blob are left to expire."""
         try:
             await self.head(key)
-        except ContainerNotFoundError:
+        except BucketNotFoundError:
             raise
         except ObjectNotFoundError:
             await self.delete(key)
+
+
+async def get_blob_response(blob: BlobClient, byte_range: str) -> aiohttp.ClientResponse:
+    """A ranged Get Blob through the SDK's generated operation (same pipeline, auth and errors as the
+    public client), answered with the raw aiohttp response so its body can be read into a caller's buffer.
+
+    These are the private SDK parts this backend relies on (``BlobClient._client.blob.download`` and
+    the pipeline response's ``internal_response``); a clear error, not an AttributeError, if they change.
+    """
+    download = getattr(getattr(getattr(blob, "_client", None), "blob", None), "download", None)
+    if download is None:
+        raise StoreError(f"azure-storage-blob {VERSION} changed shape: BlobClient._client.blob.download is gone; "
+                         "fastckpt needs an update")
+    response = await download(range=byte_range, cls=lambda pipeline_response, *_: pipeline_response)
+    raw = getattr(getattr(response, "http_response", None), "internal_response", None)
+    if not isinstance(raw, aiohttp.ClientResponse):
+        raise StoreError(f"azure-storage-blob {VERSION} changed shape: Get Blob did not answer with an aiohttp "
+                         f"response ({type(raw).__name__}); fastckpt needs an update")
+    return raw
 
 
 def _redact(text: str) -> str:
@@ -461,7 +485,5 @@ class AzureUpload(MultipartUpload):
 
 
 def from_uri(uri: StorageURI, config: TransferConfig) -> AzureStore:
-    """Store for ``uri``'s container; ``FASTCKPT_AZURE_CONTENT_MD5=0`` turns the per-block MD5 off."""
-    md5 = os.environ.get("FASTCKPT_AZURE_CONTENT_MD5", "1").lower() not in ("0", "false", "no", "off")
-    return AzureStore(uri.bucket, resolve_endpoint(uri.options),
-                      max_connections=config.max_in_flight + 8, content_md5=md5)
+    """Store for ``uri``'s container, configured by ``AzureOptions``."""
+    return AzureStore(uri.bucket, AzureOptions.from_uri(uri), max_connections=config.max_in_flight + 8)

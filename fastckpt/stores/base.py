@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ..errors import ObjectNotFoundError
+from ..uri import StorageURI
 
 Buffer = bytes | bytearray | memoryview
 
@@ -98,6 +99,23 @@ class Store(abc.ABC):
     max_parts: int = 10_000
     metadata_on_complete: bool = True
     """Whether ``MultipartUpload.complete`` can set object metadata."""
+
+    scheme: str = ""
+    """The URI scheme ``uri`` writes."""
+    bucket: str = ""
+    options: object = None
+    """The backend's typed options (a frozen dataclass with a ``query()`` of URI options), or None."""
+
+    @property
+    def location(self) -> tuple[object, ...]:
+        """What makes two stores the same: backend, bucket and options (``open_store(s.uri()).location``
+        equals ``s.location``)."""
+        return (self.name, self.bucket, self.options)
+
+    def uri(self, key: str = "") -> str:
+        """A URI that ``open_store`` opens as this store, its key naming ``key``."""
+        query = self.options.query() if self.options is not None else {}  # type: ignore[attr-defined]
+        return StorageURI("", self.scheme, self.name, self.bucket, key.strip("/"), query).uri()
 
     async def __aenter__(self) -> Store:
         return self

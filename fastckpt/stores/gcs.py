@@ -33,9 +33,10 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 from urllib.parse import quote
 
 import aiohttp
@@ -44,9 +45,11 @@ from gcloud.aio.auth import Token
 from gcloud.aio.storage import Storage
 
 from ..config import TransferConfig
+from ..engine.tasks import gather_bounded
 from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError, TransientStoreError
-from ..uri import StorageURI
+from ..uri import StorageURI, check_options
 from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+from .classify import ErrorTable, classify, unreachable
 from .conditional import IfAbsentGuard
 
 T = TypeVar("T")
@@ -58,7 +61,12 @@ PARTS_DIR = ".fastckpt-parts"
 COMPOSE_LIMIT = 32
 """Most source objects GCS accepts in one compose request."""
 CONTENT_TYPE = "application/octet-stream"
+PARALLEL = 16
+"""Composes and deletes in flight at once."""
 _PART_RE = re.compile(r"^(?P<dir>(?:.*/)?)" + re.escape(PARTS_DIR) + r"/(?P<name>[^/]+)\.(?P<id>[0-9a-f]+)/[^/]+$")
+ERRORS = ErrorTable("gcs", bucket_missing=frozenset({"noSuchBucket"}), conflict=frozenset({"conditionNotMet"}),
+                    transient=frozenset({"crc32cMismatch"}))
+"""fake codes: GCS's JSON errors carry reasons, not codes; the two that matter are derived in ``_call``."""
 _CRC_OFF_LOOP = 1 << 20
 _CRC_STEP = 4 << 20
 
@@ -102,17 +110,6 @@ def _server_message(body: str) -> str:
     except (ValueError, KeyError, TypeError):
         message = body
     return " ".join(str(message).split())[:300] or "no details"
-
-
-async def _bounded(aws: list[Awaitable[T]], limit: int = 16) -> list[T]:
-    """Await ``aws`` with at most ``limit`` running at once."""
-    sem = asyncio.Semaphore(limit)
-
-    async def one(aw: Awaitable[T]) -> T:
-        async with sem:
-            return await aw
-
-    return list(await asyncio.gather(*(one(a) for a in aws)))
 
 
 class _HTTPStatus(Exception):
@@ -174,7 +171,7 @@ class GCSUpload(MultipartUpload):
             while len(sources) > COMPOSE_LIMIT:
                 groups = [sources[i : i + COMPOSE_LIMIT] for i in range(0, len(sources), COMPOSE_LIMIT)]
                 names = [f"{self.prefix}c{level}-{j}" for j in range(len(groups))]
-                await _bounded([self._store.compose(n, g) for n, g in zip(names, groups, strict=True)])
+                await gather_bounded([self._store.compose(n, g) for n, g in zip(names, groups, strict=True)], PARALLEL)
                 temps += names
                 sources, level = names, level + 1
             if self._if_absent:
@@ -198,32 +195,18 @@ class GCSStore(Store):
     """Objects of one GCS bucket; keys are object names."""
 
     name = "gcs"
+    scheme = "gs"
     min_part_size = 1
     max_part_size = 5 << 30
     max_parts = 10_000
     metadata_on_complete = True
 
-    def __init__(
-        self,
-        bucket: str,
-        *,
-        endpoint: str | None = None,
-        anonymous: bool | None = None,
-        max_connections: int = 64,
-        if_absent_mode: str = "auto",
-    ) -> None:
-        self.compose_if_absent = IfAbsentGuard(if_absent_mode, "FASTCKPT_GCS_IF_ABSENT",
-                                               "ifGenerationMatch=0 on compose")
-        emulator = os.environ.get("STORAGE_EMULATOR_HOST", "").strip()
-        if endpoint and not re.match(r"^https?://", endpoint):
-            raise ValueError(f"GCS endpoint_override {endpoint!r} must start with http:// or https://")
-        from_emulator = not endpoint and bool(emulator)
-        if from_emulator:
-            endpoint = emulator if "://" in emulator else f"http://{emulator}"
+    def __init__(self, bucket: str, options: GCSOptions | None = None, *, max_connections: int = 64) -> None:
         self.bucket = bucket
-        self.endpoint = (endpoint or DEFAULT_ENDPOINT).rstrip("/")
-        self.anonymous = anonymous if anonymous is not None else (
-            from_emulator or self.endpoint.startswith("http://"))
+        self.options = options = options or GCSOptions()
+        self.compose_if_absent = IfAbsentGuard(options.if_absent_mode, "FASTCKPT_GCS_IF_ABSENT",
+                                               "ifGenerationMatch=0 on compose")
+        self.endpoint, self.anonymous = options.endpoint, options.anonymous
         self._max_connections = max_connections
         self._http: aiohttp.ClientSession | None = None
         self._client: Storage | None = None
@@ -281,32 +264,24 @@ class GCSStore(Store):
         self._had_token = True
         return {"Authorization": f"Bearer {token}"}
 
-    async def _call(self, what: str, op: Callable[[Storage, dict[str, str]], Awaitable[T]]) -> T:
+    async def _call(self, what: str, op: Callable[[Storage, dict[str, str]], Awaitable[T]], *, key: str | None = None,
+                    if_absent: bool = False) -> T:
         """Run ``op(client, headers)``, turning HTTP and connection failures into fastckpt errors."""
         headers = await self._headers()
         try:
             return await op(self._storage(), headers)
-        except aiohttp.ClientResponseError as exc:
-            raise await self._error(exc.status, _server_message(exc.message), what) from exc
-        except _HTTPStatus as exc:
-            raise await self._error(exc.status, exc.message, what) from exc
+        except (aiohttp.ClientResponseError, _HTTPStatus) as exc:
+            message = exc.message if isinstance(exc, _HTTPStatus) else _server_message(exc.message)
+            code = "crc32cMismatch" if exc.status == 400 and "crc32c" in message.lower() else ""
+            if exc.status == 404 and not self._bucket_exists and await self._bucket_missing():
+                code = "noSuchBucket"
+            auth = "anonymous" if self.anonymous else "with the credentials found"
+            raise classify(ERRORS, exc.status, code, place=what, bucket=f"GCS bucket {self.bucket!r}",
+                           at=f" at {self.endpoint}", key=key, detail=message, if_absent=if_absent,
+                           denied_hint=f"{auth}: {message}") from exc
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
             detail = " ".join(str(exc).split()) or type(exc).__name__
-            raise TransientStoreError(f"{what}: cannot reach GCS at {self.endpoint}: {detail}") from exc
-
-    async def _error(self, status: int, message: str, what: str) -> Exception:
-        if status == 404:
-            if not self._bucket_exists and await self._bucket_missing():
-                return ObjectNotFoundError(f"GCS bucket {self.bucket!r} does not exist at {self.endpoint}")
-            return ObjectNotFoundError(f"{what}: not found")
-        if status == 412:
-            return AlreadyExistsError(f"{what}: already exists (precondition failed)")
-        if status in (401, 403):
-            auth = "anonymous" if self.anonymous else "with the credentials found"
-            return AccessDeniedError(f"{what}: access denied by {self.endpoint} ({auth}; HTTP {status}: {message})")
-        if status in (408, 429) or status >= 500 or (status == 400 and "crc32c" in message.lower()):
-            return TransientStoreError(f"{what}: HTTP {status}: {message}")
-        return StoreError(f"{what}: HTTP {status}: {message}")
+            raise unreachable("gcs", what, f"cannot reach GCS at {self.endpoint}: {detail}", key=key) from exc
 
     async def _bucket_missing(self) -> bool:
         """Whether the bucket is absent (a 404 then names the bucket, not the object)."""
@@ -362,14 +337,14 @@ class GCSStore(Store):
         if if_absent:
             params["ifGenerationMatch"] = "0"
         url = f"{self.endpoint}/upload/storage/v1/b/{self.bucket}/o"
-        what = f"upload of {self.url(key)}"
+        what = self.url(key)
 
         async def send(_: Storage, headers: dict[str, str]) -> dict[str, Any]:
             headers = {**headers, "Content-Type": f"multipart/related; boundary={boundary}",
                        "Content-Length": str(len(head) + len(data) + len(tail))}
             return await self._send("POST", url, params=params, headers=headers, data=body())
 
-        result = await self._call(what, send)
+        result = await self._call(what, send, key=key, if_absent=if_absent)
         if result.get("crc32c") not in (None, crc):
             generation = result.get("generation")
             await self._call(what, lambda c, h: c.delete(
@@ -391,7 +366,7 @@ class GCSStore(Store):
             return await self._send("POST", f"{self._object_url(key)}/compose", headers=headers, json=payload,
                                     params=params)
 
-        return await self._call(f"compose of {self.url(key)}", send)
+        return await self._call(self.url(key), send, key=key, if_absent=if_absent)
 
     async def check_compose_if_absent(self, key: str) -> None:
         """Make a create-if-absent compose of ``key`` safe (``stores.conditional``): return to compose with
@@ -426,14 +401,14 @@ class GCSStore(Store):
 
     async def delete(self, key: str) -> None:
         try:
-            await self._call(f"delete of {self.url(key)}", lambda c, h: c.delete(
-                self.bucket, key, headers=h, timeout=self._timeout))  # type: ignore[arg-type]
+            await self._call(self.url(key), lambda c, h: c.delete(
+                self.bucket, key, headers=h, timeout=self._timeout), key=key)  # type: ignore[arg-type]
         except ObjectNotFoundError:
             if not self._bucket_exists:
                 raise
 
     async def delete_many(self, keys: list[str]) -> None:
-        await _bounded([self.delete(k) for k in keys])
+        await gather_bounded([self.delete(k) for k in keys], PARALLEL)
 
     async def delete_quietly(self, keys: list[str]) -> None:
         """Delete ``keys``; failures are logged (gc finds leftovers through list_pending_uploads)."""
@@ -450,7 +425,7 @@ class GCSStore(Store):
 
     async def head(self, key: str) -> ObjectMeta:
         item = await self._call(self.url(key), lambda c, h: c.download_metadata(
-            self.bucket, key, headers=h, timeout=self._timeout))  # type: ignore[arg-type]
+            self.bucket, key, headers=h, timeout=self._timeout), key=key)  # type: ignore[arg-type]
         return self._meta(item)
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
@@ -467,7 +442,7 @@ class GCSStore(Store):
                     return b""
                 raise
 
-        return await self._call(self.url(key), read)
+        return await self._call(self.url(key), read, key=key)
 
     async def read_into(self, key: str, start: int, buf: memoryview) -> int:
         if not len(buf):
@@ -494,7 +469,7 @@ class GCSStore(Store):
                         break
                 return n
 
-        return await self._call(self.url(key), read)
+        return await self._call(self.url(key), read, key=key)
 
     async def list_page(self, prefix: str, delimiter: str | None = None, token: str | None = None) -> ListPage:
         """One objects.list request."""
@@ -539,13 +514,41 @@ class GCSStore(Store):
         self._http = self._client = self._token = None
 
 
+@dataclass(frozen=True)
+class GCSOptions:
+    """How to reach GCS: from the URI's options (``QUERY``; ``project`` is accepted, object requests do
+    not need it) and the environment (``STORAGE_EMULATOR_HOST``, ``FASTCKPT_GCS_IF_ABSENT``)."""
+
+    QUERY: ClassVar[frozenset[str]] = frozenset({"endpoint_override", "project", "anonymous"})
+    endpoint: str = DEFAULT_ENDPOINT
+    anonymous: bool = False
+    """Send no credentials (the default for an emulator and for plain-http endpoints)."""
+    project: str | None = None
+    if_absent_mode: str = "auto"
+
+    @classmethod
+    def from_uri(cls, uri: StorageURI, env: Mapping[str, str] = os.environ) -> GCSOptions:
+        """The options ``uri`` and ``env`` give; ValueError for a bad option or endpoint."""
+        opts = check_options(uri, cls.QUERY)
+        endpoint = opts.get("endpoint_override") or None
+        if endpoint and not re.match(r"^https?://", endpoint):
+            raise ValueError(f"GCS endpoint_override {endpoint!r} must start with http:// or https://")
+        emulator = env.get("STORAGE_EMULATOR_HOST", "").strip()
+        from_emulator = not endpoint and bool(emulator)
+        if from_emulator:
+            endpoint = emulator if "://" in emulator else f"http://{emulator}"
+        endpoint = (endpoint or DEFAULT_ENDPOINT).rstrip("/")
+        anonymous = uri.flag("anonymous")
+        return cls(endpoint, from_emulator or endpoint.startswith("http://") if anonymous is None else anonymous,
+                   opts.get("project") or None, env.get("FASTCKPT_GCS_IF_ABSENT", "auto").strip().lower())
+
+    def query(self) -> dict[str, str]:
+        """URI options that give these options back (with the same environment)."""
+        pairs = {"endpoint_override": None if self.endpoint == DEFAULT_ENDPOINT else self.endpoint,
+                 "anonymous": str(self.anonymous).lower(), "project": self.project}
+        return {k: v for k, v in pairs.items() if v}
+
+
 def from_uri(uri: StorageURI, config: TransferConfig) -> GCSStore:
-    """Store for ``gs://bucket/...``; options ``endpoint_override`` and ``anonymous`` (``project`` is
-    accepted but object requests do not need it)."""
-    return GCSStore(
-        uri.bucket,
-        endpoint=uri.options.get("endpoint_override") or None,
-        anonymous=uri.flag("anonymous"),
-        max_connections=max(64, 2 * config.max_in_flight),
-        if_absent_mode=os.environ.get("FASTCKPT_GCS_IF_ABSENT", "auto").strip().lower(),
-    )
+    """Store for ``gs://bucket/...``, configured by ``GCSOptions``."""
+    return GCSStore(uri.bucket, GCSOptions.from_uri(uri), max_connections=max(64, 2 * config.max_in_flight))

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from ..config import TransferConfig
 from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError
 from ..integrity import read_exact, write_at
-from ..uri import StorageURI
+from ..uri import StorageURI, check_options
 from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
 
 TMP_SUFFIX = ".fastckpt-part"
@@ -146,6 +146,14 @@ class LocalStore(Store):
     def __init__(self, root: str = "/", *, fsync: bool = True) -> None:
         self.root = os.path.abspath(root)
         self.fsync = fsync
+
+    @property
+    def location(self) -> tuple[object, ...]:
+        return (self.name, self.root)
+
+    def uri(self, key: str = "") -> str:
+        """The path of ``key`` (a plain path is a local-store URI)."""
+        return self.path(key)
 
     def path(self, key: str) -> str:
         """Filesystem path of ``key``."""
@@ -306,5 +314,6 @@ class LocalStore(Store):
 
 
 def from_uri(uri: StorageURI, config: TransferConfig) -> LocalStore:
-    """Local store rooted at '/' (keys are absolute paths without the leading slash)."""
+    """Local store rooted at '/' (keys are absolute paths without the leading slash); no URI options."""
+    check_options(uri, frozenset())
     return LocalStore("/", fsync=config.fsync)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..config import TransferConfig
 from ..errors import AlreadyExistsError, ObjectNotFoundError, StoreError
-from ..uri import StorageURI
+from ..uri import StorageURI, check_options
 from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
 
 
@@ -76,6 +76,7 @@ class MemoryStore(Store):
     """Objects in a process-global dict keyed by bucket name."""
 
     name = "memory"
+    scheme = "memory"
 
     def __init__(self, bucket: str = "default") -> None:
         self.bucket = bucket
@@ -128,5 +129,6 @@ class MemoryStore(Store):
 
 
 def from_uri(uri: StorageURI, config: TransferConfig) -> MemoryStore:
-    """In-memory bucket named by the URI's host (``memory://bucket/prefix``)."""
+    """In-memory bucket named by the URI's host (``memory://bucket/prefix``); no URI options."""
+    check_options(uri, frozenset())
     return MemoryStore(uri.bucket or "default")

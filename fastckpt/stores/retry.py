@@ -69,7 +69,7 @@ class RetryingStore(Store):
 
     def __init__(self, inner: Store, config: TransferConfig) -> None:
         self.inner, self.config = inner, config
-        self.name = inner.name
+        self.name, self.scheme, self.bucket, self.options = inner.name, inner.scheme, inner.bucket, inner.options
         self.min_part_size, self.max_part_size = inner.min_part_size, inner.max_part_size
         self.max_parts, self.metadata_on_complete = inner.max_parts, inner.metadata_on_complete
 
@@ -81,6 +81,13 @@ class RetryingStore(Store):
 
     def __repr__(self) -> str:
         return repr(self.inner)
+
+    @property
+    def location(self) -> tuple[object, ...]:
+        return self.inner.location
+
+    def uri(self, key: str = "") -> str:
+        return self.inner.uri(key)
 
     async def _retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
         return await with_retries(op, self.config, f"{what} ({self.name})")

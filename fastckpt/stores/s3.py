@@ -1,40 +1,14 @@
 """Amazon S3 and S3-compatible stores (MinIO, Ceph, B2, R2, moto ...) on aiobotocore.
 
-Configuration follows Ray's storage guide and Arrow's ``S3FileSystem``:
+``S3Options`` holds everything that configures a store, read from the URI (``?endpoint_override=``,
+``region``, ``scheme``, ``profile``, ``anonymous``, ``addressing_style``, as in Arrow's ``S3FileSystem``)
+and the environment (the AWS variables botocore reads, and the ``FASTCKPT_S3_*`` knobs in the README's
+Configuration section). Credentials come from botocore's chain. A custom endpoint is path-style.
 
-- ``s3://bucket/prefix``: AWS, credentials and region from the usual botocore chain
-  (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``,
-  ``~/.aws/credentials``, instance roles ...), region from ``?region=``, ``AWS_REGION`` or
-  ``AWS_DEFAULT_REGION`` (or the profile), else ``us-east-1``.
-- ``s3://bucket/prefix?endpoint_override=http://host:port`` (or ``host:port`` with ``&scheme=http``;
-  the scheme defaults to https), else ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (ignored when
-  ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true``). A custom endpoint uses path-style addressing
-  unless ``?addressing_style=virtual``. ``?profile=NAME`` and ``?anonymous=true`` are honoured.
-
-Speed and compatibility knobs (environment):
-
-- ``AWS_REQUEST_CHECKSUM_CALCULATION`` / ``AWS_RESPONSE_CHECKSUM_VALIDATION``: default
-  ``when_required`` here (botocore's own default ``when_supported`` adds a CRC per request, costs
-  client CPU and makes many S3-compatible servers answer HTTP 411 MissingContentLength); set
-  ``when_supported`` to get botocore's behaviour back. fastckpt's XXH3 digests give end-to-end integrity.
-- ``FASTCKPT_S3_PAYLOAD_SIGNING``: ``0`` (default, ``UNSIGNED-PAYLOAD``), ``1`` (SHA-256 of every
-  body) or ``auto`` (botocore's default: signed on plain http).
-- ``FASTCKPT_S3_IF_ABSENT``: how create-if-absent (``If-None-Match: *``) is made safe.
-  ``auto`` (default): trusted on AWS; on a custom endpoint probed once per endpoint and bucket (a
-  throw-away object is written twice, the second time conditionally) and, when the server ignores
-  the header, every create-if-absent raises StoreError rather than risk an overwrite.
-  ``trust``: no probe. ``best-effort``: on servers without support, HEAD then PUT (a concurrent
-  writer between the two can still be overwritten).
-- ``FASTCKPT_S3_EXPECT_CONTINUE``: ``1`` (default) sends bodies of 1 MiB and more after ``Expect:
-  100-continue`` (as botocore does for file uploads). aiohttp then writes the body straight from
-  the pooled buffer instead of joining headers and body into a new bytes object (a copy of every
-  part on Python < 3.12.9; about 0.6 client CPU-s/GiB less against moto). A request cancelled
-  mid-body may leave its buffer referenced by the closing connection: the engine's buffer pool
-  never reuses a buffer after a failed request. ``0`` turns it off for servers that mishandle it.
-- ``FASTCKPT_S3_CONNECT_TIMEOUT`` / ``FASTCKPT_S3_READ_TIMEOUT``: seconds (default 10 / 60).
-
-botocore's own retries are off: the engine retries TransientStoreError with backoff. An endpoint
-that could never be reached raises StoreError at once instead of being retried.
+Create-if-absent sends ``If-None-Match: *``; ``stores.conditional`` makes it safe on servers that
+ignore it. Bodies are sent from the caller's buffer (``Expect: 100-continue`` on large ones, so aiohttp
+does not join headers and body into a copy) and ranged reads land in the caller's buffer. botocore's
+own retries are off (``stores.retry`` retries); an endpoint never reached raises StoreError at once.
 """
 
 from __future__ import annotations
@@ -46,9 +20,12 @@ import hashlib
 import os
 import posixpath
 import secrets
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
+import aiobotocore
 import aiohttp
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
@@ -69,9 +46,17 @@ from botocore.exceptions import (
 )
 
 from ..config import TransferConfig
-from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError, TransientStoreError
-from ..uri import StorageURI
+from ..errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    BucketNotFoundError,
+    ObjectNotFoundError,
+    StoreError,
+    TransientStoreError,
+)
+from ..uri import StorageURI, check_options
 from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+from .classify import ErrorTable, classify
 from .conditional import IfAbsentGuard
 
 MiB = 1 << 20
@@ -82,11 +67,22 @@ EXPECT_CONTINUE_MIN = 1 * MiB
 POOL_HEADROOM = 16
 """Connections beyond ``max_in_flight`` for heads, lists, completes and aborts."""
 
-_TRANSIENT_CODES = {
-    "SlowDown", "RequestTimeout", "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable",
-    "Throttling", "ThrottlingException", "RequestThrottled", "TooManyRequests", "OperationAborted",
-    "RequestTimeoutException", "PriorRequestNotComplete", "BadDigest",
-}
+ERRORS = ErrorTable(
+    "s3",
+    bucket_missing=frozenset({"NoSuchBucket"}),
+    not_found=frozenset({"NoSuchKey", "NotFound"}),
+    conflict=frozenset({"PreconditionFailed", "ConditionalRequestConflict"}),
+    denied=frozenset({"AccessDenied", "AllAccessDisabled", "AccountProblem", "InvalidAccessKeyId",
+                      "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"}),
+    transient=frozenset({"SlowDown", "RequestTimeout", "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable",
+                         "Throttling", "ThrottlingException", "RequestThrottled", "TooManyRequests",
+                         "OperationAborted", "RequestTimeoutException", "PriorRequestNotComplete", "BadDigest"}),
+    hints={"InvalidAccessKeyId": "access key id not recognised; check AWS_ACCESS_KEY_ID or the profile",
+           "SignatureDoesNotMatch": "secret key does not match the access key; "
+                                    "check AWS_SECRET_ACCESS_KEY or the profile",
+           **dict.fromkeys(("ExpiredToken", "InvalidToken", "TokenRefreshRequired"),
+                           "session token rejected; refresh credentials")},
+)
 _NO_CONDITIONAL_CODES = {"NotImplemented", "InvalidArgument", "InvalidRequest", "UnsupportedOperation"}
 
 _CLIENT_ERRORS = (BotoCoreError, ClientError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
@@ -128,8 +124,7 @@ def _body(data: Buffer, copy: bool = False) -> tuple[Buffer, int]:
     return bytes(data), memoryview(data).nbytes
 
 
-def resolve_endpoint(options: dict[str, str], environ: dict[str, str] | os._Environ[str] = os.environ
-                     ) -> str | None:
+def resolve_endpoint(options: Mapping[str, str], environ: Mapping[str, str] = os.environ) -> str | None:
     """Endpoint URL from ``endpoint_override`` (+ ``scheme``), else the AWS endpoint env vars."""
     endpoint = options.get("endpoint_override") or None
     if endpoint is None and not _truthy(environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS")):
@@ -141,13 +136,23 @@ def resolve_endpoint(options: dict[str, str], environ: dict[str, str] | os._Envi
     return endpoint.rstrip("/")
 
 
+def response_stream(body: Any) -> aiohttp.StreamReader:
+    """The aiohttp stream under an aiobotocore response body: the one private SDK attribute this
+    backend reads (``raw_stream``); a clear error, not an AttributeError, if aiobotocore changes it."""
+    stream = getattr(getattr(body, "raw_stream", None), "content", None)
+    if not isinstance(stream, aiohttp.StreamReader):
+        raise StoreError(f"aiobotocore {aiobotocore.__version__} changed shape: its response body "
+                         f"({type(body).__name__}) has no raw_stream.content stream; fastckpt needs an update")
+    return stream
+
+
 async def _stream_into(body: Any, buf: memoryview, length: int) -> int:
     """Copy a response body into ``buf`` chunk by chunk as the socket delivers it; bytes copied.
 
     Each chunk aiohttp received is copied once, straight into ``buf`` (the body's ``read(n)`` and
     ``readinto`` would first join the buffered chunks into a new bytes object).
     """
-    stream: aiohttp.StreamReader = body.raw_stream.content
+    stream = response_stream(body)
     done = 0
     while done < length:
         chunk, end_of_http_chunk = await stream.readchunk()
@@ -232,47 +237,24 @@ class S3Store(Store):
     """
 
     name = "s3"
+    scheme = "s3"
     min_part_size = 5 * MiB
     max_part_size = 5 << 30
     max_parts = 10_000
     metadata_on_complete = False
 
-    def __init__(
-        self,
-        bucket: str,
-        *,
-        endpoint_url: str | None = None,
-        region: str | None = None,
-        profile: str | None = None,
-        anonymous: bool = False,
-        addressing_style: str | None = None,
-        use_ssl: bool = True,
-        max_pool_connections: int = 8 + POOL_HEADROOM,
-        request_checksum_calculation: str = "when_required",
-        response_checksum_validation: str = "when_required",
-        payload_signing: bool | None = False,
-        connect_timeout: float = 10.0,
-        read_timeout: float = 60.0,
-        if_absent_mode: str = "auto",
-        page_size: int = 1000,
-        expect_continue: bool = False,
-    ) -> None:
-        self.if_absent = IfAbsentGuard(if_absent_mode, "FASTCKPT_S3_IF_ABSENT", "If-None-Match: *")
+    def __init__(self, bucket: str, options: S3Options | None = None, *,
+                 max_pool_connections: int = 8 + POOL_HEADROOM, page_size: int = 1000) -> None:
         self.bucket = bucket
-        self.endpoint_url = endpoint_url
-        self.endpoint = _display(endpoint_url)
-        self.region, self.profile, self.anonymous = region, profile, anonymous
-        self.addressing_style = addressing_style or ("path" if endpoint_url else "auto")
-        self.use_ssl = use_ssl
+        self.options = options = options or S3Options()
+        self.if_absent = IfAbsentGuard(options.if_absent_mode, "FASTCKPT_S3_IF_ABSENT", "If-None-Match: *")
+        self.endpoint_url = options.endpoint_url
+        self.endpoint = _display(options.endpoint_url)
+        self.addressing_style = options.addressing_style or ("path" if options.endpoint_url else "auto")
         self.max_pool_connections = max_pool_connections
-        self.request_checksum_calculation = request_checksum_calculation
-        self.response_checksum_validation = response_checksum_validation
         # botocore's checksum code reads bytes or files only, not memoryviews
-        self.copy_bodies = request_checksum_calculation != "when_required"
-        self.payload_signing = payload_signing
-        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        self.copy_bodies = options.request_checksum_calculation != "when_required"
         self.page_size = page_size
-        self.expect_continue = expect_continue
         self._client: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._client_lock = asyncio.Lock()
@@ -295,33 +277,34 @@ class S3Store(Store):
 
     async def _create_client(self) -> Any:
         s3_config: dict[str, Any] = {"addressing_style": self.addressing_style}
-        if self.payload_signing is not None:
-            s3_config["payload_signing_enabled"] = self.payload_signing
+        opts = self.options
+        if opts.payload_signing is not None:
+            s3_config["payload_signing_enabled"] = opts.payload_signing
         config = AioConfig(
             max_pool_connections=self.max_pool_connections,
-            connect_timeout=self.connect_timeout,
-            read_timeout=self.read_timeout,
+            connect_timeout=opts.connect_timeout,
+            read_timeout=opts.read_timeout,
             retries={"total_max_attempts": 1, "mode": "standard"},
             s3=s3_config,
-            request_checksum_calculation=self.request_checksum_calculation,
-            response_checksum_validation=self.response_checksum_validation,
+            request_checksum_calculation=opts.request_checksum_calculation,
+            response_checksum_validation=opts.response_checksum_validation,
             # Bodies are memoryviews of pooled buffers, sent without a copy; botocore's validator
             # only admits bytes, bytearray and file objects.
             parameter_validation=False,
-            signature_version=UNSIGNED if self.anonymous else None,
+            signature_version=UNSIGNED if opts.anonymous else None,
             user_agent_extra="fastckpt",
         )
         stack = contextlib.AsyncExitStack()
         try:
-            session = AioSession(profile=self.profile)
-            region = self.region or session.get_config_variable("region") or "us-east-1"
+            session = AioSession(profile=opts.profile)
+            region = opts.region or session.get_config_variable("region") or "us-east-1"
             client = await stack.enter_async_context(session.create_client(
-                "s3", region_name=region, endpoint_url=self.endpoint_url, use_ssl=self.use_ssl, config=config))
+                "s3", region_name=region, endpoint_url=self.endpoint_url, use_ssl=opts.use_ssl, config=config))
         except _CLIENT_ERRORS as exc:
             await stack.aclose()
             raise self._translate(exc, "") from exc
         client.meta.events.register("before-sign.s3.DeleteObjects", _content_md5)
-        if self.expect_continue:
+        if opts.expect_continue:
             for op in ("PutObject", "UploadPart"):
                 client.meta.events.register(f"before-sign.s3.{op}", _expect_continue)
         self._stack = stack
@@ -346,6 +329,11 @@ class S3Store(Store):
 
     def _translate(self, exc: BaseException, key: str, *, if_absent: bool = False) -> StoreError:
         """The fastckpt error for a botocore / aiohttp failure (one line, never credentials)."""
+        error = self._error_for(exc, key, if_absent)
+        error.key, error.backend = error.key or key or None, "s3"
+        return error
+
+    def _error_for(self, exc: BaseException, key: str, if_absent: bool) -> StoreError:
         where = self.where(key) if key else f"s3://{self.bucket}"
         at = f"at endpoint {self.endpoint}"
         if isinstance(exc, ClientError):
@@ -353,39 +341,20 @@ class S3Store(Store):
             error = exc.response.get("Error", {})
             code = str(error.get("Code", ""))
             status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-            if code == "NoSuchBucket":
-                return ObjectNotFoundError(f"bucket {self.bucket!r} does not exist {at}")
-            if if_absent and (status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict")):
-                return AlreadyExistsError(f"{where} already exists")
             if code == "NoSuchUpload":
                 return _NoSuchUpload(f"multipart upload of {where} no longer exists (completed or aborted)")
             if code == "InvalidRange" or status == 416:
                 return _InvalidRange(f"{where}: requested range starts past the end of the object")
-            if code in ("NoSuchKey", "NotFound") or status == 404:
-                return ObjectNotFoundError(f"{where} does not exist")
-            if code == "InvalidAccessKeyId":
-                return AccessDeniedError(f"access key id not recognised {at} (InvalidAccessKeyId) for {where}; "
-                                         "check AWS_ACCESS_KEY_ID or the profile")
-            if code == "SignatureDoesNotMatch":
-                return AccessDeniedError(f"secret key does not match the access key {at} (SignatureDoesNotMatch) "
-                                         f"for {where}; check AWS_SECRET_ACCESS_KEY or the profile")
-            if code in ("ExpiredToken", "InvalidToken", "TokenRefreshRequired"):
-                return AccessDeniedError(f"session token rejected {at} ({code}) for {where}; refresh credentials")
-            label = f"HTTP {status}" if code in ("", str(status)) else f"HTTP {status} {code}"
-            if status in (401, 403) or code in ("AccessDenied", "AllAccessDisabled", "AccountProblem"):
-                return AccessDeniedError(f"access denied to {where} {at} ({label}): credentials are missing, invalid "
-                                         "or lack permission")
-            if status >= 500 or status == 429 or code in _TRANSIENT_CODES:
-                return TransientStoreError(f"{where}: {label} {at}")
-            message = " ".join(str(error.get("Message", "")).split())
-            return StoreError(f"{where}: {label} {at}: {message}".rstrip(": "))
+            detail = " ".join(str(error.get("Message", "")).split())
+            return classify(ERRORS, status, code, place=where, bucket=f"bucket {self.bucket!r}", at=f" {at}",
+                            key=key or None, if_absent=if_absent, detail=detail)
         if isinstance(exc, NoCredentialsError):
             return AccessDeniedError(f"no AWS credentials found for {where}: set AWS_ACCESS_KEY_ID and "
                                      "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or use ?anonymous=true")
         if isinstance(exc, (PartialCredentialsError, CredentialRetrievalError)):
             return AccessDeniedError(f"AWS credentials for {where} are incomplete or unavailable: {exc}")
         if isinstance(exc, ProfileNotFound):
-            return StoreError(f"AWS profile {self.profile or os.environ.get('AWS_PROFILE')!r} not found "
+            return StoreError(f"AWS profile {self.options.profile or os.environ.get('AWS_PROFILE')!r} not found "
                               f"(needed for {where})")
         if isinstance(exc, SSLError):
             return StoreError(f"TLS error talking to {self.endpoint} for {where}; for a plain-http endpoint "
@@ -406,11 +375,12 @@ class S3Store(Store):
             try:
                 await self.call("head_bucket", "")
                 self._bucket_ok = True
-            except ObjectNotFoundError:
-                return ObjectNotFoundError(f"bucket {self.bucket!r} does not exist at endpoint {self.endpoint}")
+            except ObjectNotFoundError as exc:
+                return BucketNotFoundError(f"bucket {self.bucket!r} does not exist at endpoint {self.endpoint}",
+                                           key=key, backend="s3", status=exc.status)
             except StoreError:
                 pass
-        return ObjectNotFoundError(f"{self.where(key)} does not exist")
+        return ObjectNotFoundError(f"{self.where(key)} does not exist", key=key, backend="s3", status=404)
 
     # ----------------------------------------------------------------------------- reads
 
@@ -576,25 +546,59 @@ class S3Store(Store):
             await self.call("abort_multipart_upload", upload.key, Key=upload.key, UploadId=upload.upload_id)
 
 
+@dataclass(frozen=True)
+class S3Options:
+    """How to reach one S3 endpoint: from the URI's options (``QUERY``) and the environment (module doc)."""
+
+    QUERY: ClassVar[frozenset[str]] = frozenset(
+        {"endpoint_override", "region", "scheme", "profile", "anonymous", "addressing_style"})
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    anonymous: bool = False
+    addressing_style: str | None = None
+    """None: path-style on a custom endpoint, botocore's choice on AWS."""
+    use_ssl: bool = True
+    request_checksum_calculation: str = "when_required"
+    response_checksum_validation: str = "when_required"
+    payload_signing: bool | None = False
+    """None: botocore's default (signed on plain http)."""
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+    if_absent_mode: str = "auto"
+    expect_continue: bool = True
+    """Send bodies of 1 MiB and more after ``100 Continue``: aiohttp then writes them from the pooled buffer
+    (a request cancelled mid-body may leave it referenced: the pool never reuses a buffer after a failure)."""
+
+    @classmethod
+    def from_uri(cls, uri: StorageURI, env: Mapping[str, str] = os.environ) -> S3Options:
+        """The options ``uri`` and ``env`` give; ValueError for an option S3 does not take."""
+        opts = check_options(uri, cls.QUERY)
+        signing = env.get("FASTCKPT_S3_PAYLOAD_SIGNING", "0").strip().lower()
+        return cls(
+            endpoint_url=resolve_endpoint(opts, env),
+            region=opts.get("region") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
+            profile=opts.get("profile") or None,
+            anonymous=bool(uri.flag("anonymous")),
+            addressing_style=opts.get("addressing_style") or None,
+            use_ssl=(opts.get("scheme") or "https").lower() != "http",
+            request_checksum_calculation=env.get("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required").lower(),
+            response_checksum_validation=env.get("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required").lower(),
+            payload_signing=None if signing == "auto" else _truthy(signing),
+            connect_timeout=float(env.get("FASTCKPT_S3_CONNECT_TIMEOUT", "10")),
+            read_timeout=float(env.get("FASTCKPT_S3_READ_TIMEOUT", "60")),
+            if_absent_mode=env.get("FASTCKPT_S3_IF_ABSENT", "auto").strip().lower(),
+            expect_continue=_truthy(env.get("FASTCKPT_S3_EXPECT_CONTINUE", "1")),
+        )
+
+    def query(self) -> dict[str, str]:
+        """URI options that give these options back (with the same environment)."""
+        pairs = {"endpoint_override": self.endpoint_url, "region": self.region, "profile": self.profile,
+                 "anonymous": "true" if self.anonymous else None, "addressing_style": self.addressing_style,
+                 "scheme": None if self.use_ssl else "http"}
+        return {k: v for k, v in pairs.items() if v}
+
+
 def from_uri(uri: StorageURI, config: TransferConfig) -> S3Store:
     """S3 store for ``uri``'s bucket, configured from its options and the AWS environment variables."""
-    opts = uri.options
-    endpoint = resolve_endpoint(opts)
-    signing = os.environ.get("FASTCKPT_S3_PAYLOAD_SIGNING", "0").strip().lower()
-    return S3Store(
-        uri.bucket,
-        endpoint_url=endpoint,
-        region=opts.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None,
-        profile=opts.get("profile") or None,
-        anonymous=bool(uri.flag("anonymous")),
-        addressing_style=opts.get("addressing_style") or None,
-        use_ssl=(opts.get("scheme") or "https").lower() != "http",
-        max_pool_connections=config.max_in_flight + POOL_HEADROOM,
-        request_checksum_calculation=os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required").lower(),
-        response_checksum_validation=os.environ.get("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required").lower(),
-        payload_signing=None if signing == "auto" else _truthy(signing),
-        connect_timeout=float(os.environ.get("FASTCKPT_S3_CONNECT_TIMEOUT", "10")),
-        read_timeout=float(os.environ.get("FASTCKPT_S3_READ_TIMEOUT", "60")),
-        if_absent_mode=os.environ.get("FASTCKPT_S3_IF_ABSENT", "auto").strip().lower(),
-        expect_continue=_truthy(os.environ.get("FASTCKPT_S3_EXPECT_CONTINUE", "1")),
-    )
+    return S3Store(uri.bucket, S3Options.from_uri(uri), max_pool_connections=config.max_in_flight + POOL_HEADROOM)

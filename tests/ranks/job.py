@@ -24,7 +24,7 @@ from datetime import timedelta
 
 from fastckpt import CheckpointWriter, TransferConfig, open_store, parse_uri
 from fastckpt.checkpoint import StoreBarrier
-from fastckpt.stores.faults import FaultInjectingStore
+from harness.faults import FaultInjectingStore
 
 SMALL_FILE = 3000
 BIG_FILE = 6 << 20  # multipart on every backend (S3's smallest part is 5 MiB)

@@ -7,7 +7,7 @@ import os
 
 from fastckpt.errors import StoreError, TransientStoreError
 from fastckpt.stores.base import Store
-from fastckpt.stores.faults import FaultInjectingStore
+from harness.faults import FaultInjectingStore
 
 
 class NthRequestFault(FaultInjectingStore):

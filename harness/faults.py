@@ -1,4 +1,4 @@
-"""Store wrappers for tests and limits: fault injection (latency, error rate, fail after N calls)."""
+"""Store wrappers for tests and benchmarks: fault injection (latency, error rate, fail after N calls)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import asyncio
 import random
 from collections.abc import AsyncIterator
 
-from ..errors import StoreError, TransientStoreError
-from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
+from fastckpt.errors import StoreError, TransientStoreError
+from fastckpt.stores.base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
 
 
 class FaultInjectingStore(Store):
