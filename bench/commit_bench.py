@@ -45,7 +45,8 @@ from fastckpt.checkpoint import InProcessBarrier, StoreBarrier  # noqa: E402
 from fastckpt.stores.base import Store  # noqa: E402
 from harness.faults import FaultInjectingStore  # noqa: E402
 
-CONFIG = TransferConfig(part_size=1 << 20, multipart_threshold=8 << 20, max_in_flight=2, retries=3)
+CONFIG = TransferConfig(part_size=1 << 20, multipart_threshold=8 << 20, max_in_flight=2, retries=3,
+                        retry_for=0)
 FILE_SIZE = 1024
 
 

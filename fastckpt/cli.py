@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 from . import __version__
@@ -18,6 +21,8 @@ from .engine.transfer import Transfer
 from .errors import FastckptError
 from .stores import open_store
 from .uri import parse_uri
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _is_remote(path: str) -> bool:
@@ -169,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--progress", action="store_true", help="show a progress bar even when not on a terminal")
     common.add_argument("--part-size", type=parse_size, default=None, help="part size, e.g. 32MiB")
     common.add_argument("--concurrency", type=int, default=None, help="parts in flight")
+    common.add_argument("-v", "--verbose", action="count", default=0, help="log retries and more (-vv: debug)")
+    common.add_argument("--log-level", choices=LOG_LEVELS, default=None, help="log level (default warning)")
     sub = p.add_subparsers(dest="command", required=True)
     cp = sub.add_parser("cp", parents=[common], help="copy a file or directory to or from a store")
     cp.add_argument("src")
@@ -212,19 +219,48 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _setup_logging(args: argparse.Namespace) -> None:
+    """fastckpt's own log at the chosen level on stderr; the SDKs' loggers stay at warning (at debug
+    they print request headers, signatures included)."""
+    level = args.log_level or LOG_LEVELS[max(0, 2 - args.verbose)]
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("fastckpt").setLevel(level.upper())
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (what schedulers send before preemption) stops a command the way Ctrl-C does: the running
+    transfer is cancelled, so it aborts its uploads and removes its partial files, then the command exits."""
+    _stopped_by.append("SIGTERM")
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):  # asyncio.Runner's while a command runs: it cancels the main task
+        handler(signal.SIGINT, frame)
+    else:
+        raise KeyboardInterrupt
+
+
+_stopped_by: list[str] = []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (0 ok, 1 failure)."""
+    """Entry point; returns the exit status (0 ok, 1 failure, 130 / 143 stopped by SIGINT / SIGTERM)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"] and _bench_root() is not None:
         return _bench(argv[1:])
     args = build_parser().parse_args(argv)
+    _setup_logging(args)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         out = COMMANDS[args.command](args)
     except (FastckptError, OSError, ValueError, ImportError) as exc:
         print(f"fastckpt {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        return 130
+        by = _stopped_by[0] if _stopped_by else "SIGINT"
+        print(f"fastckpt {args.command}: stopped by {by}: uploads in progress were aborted and partial downloads "
+              "removed; nothing was kept for resume", file=sys.stderr)
+        return 143 if by == "SIGTERM" else 130
     if args.json:
         print(json.dumps(out, indent=2, default=str))
     else:

@@ -37,11 +37,20 @@ class TransferConfig:
     multipart_threshold: int = 32 << 20
     """Files larger than this are sent as parallel multipart uploads."""
     retries: int = 6
-    """Attempts after the first for a retryable error."""
+    """Attempts after the first for a retryable error (at least; see ``retry_for``)."""
+    retry_for: float = 120.0
+    """Seconds a retryable failure keeps being retried, however many attempts that takes: an endpoint
+    outage, failover or throttling burst shorter than this does not fail the transfer (0: ``retries`` only)."""
     backoff_base: float = 0.2
     """First backoff in seconds; doubles each retry, with full jitter."""
     backoff_max: float = 10.0
     """Longest single backoff in seconds."""
+    stall_timeout: float = 60.0
+    """A request carrying data (a part sent or read) that has not finished within ``stall_timeout`` plus
+    its size at ``min_rate`` is cancelled and retried: a server or middlebox that stops reading or
+    sending mid-body cannot hold a transfer."""
+    min_rate: int = 1 << 20
+    """Bytes per second per request below which a data request counts as stalled (0: no deadline)."""
     verify: bool = True
     """Check digests on download when the object records one."""
     digest_metadata: bool = True
@@ -70,7 +79,7 @@ def _convert(name: str, type_name: object, text: str) -> object:
             return text.lower() in ("1", "true", "yes", "on")
         if kind == "float":
             return float(text)
-        if name in ("part_size", "multipart_threshold"):
+        if name in ("part_size", "multipart_threshold", "min_rate"):
             return parse_size(text)
         return int(text)
     except ValueError:

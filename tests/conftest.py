@@ -8,6 +8,7 @@ suite runs once per backend: memory, local, and every server module found; or, w
 
 from __future__ import annotations
 
+import os
 import pkgutil
 import uuid
 
@@ -17,6 +18,10 @@ from fastckpt import TransferConfig, open_store, parse_uri
 
 from . import servers
 
+# Persistent injected faults fail after ``retries`` attempts, not after the default two-minute retry budget
+# (subprocesses and Ray workers read it from the environment too).
+os.environ.setdefault("FASTCKPT_RETRY_FOR", "0")
+
 SERVER_BACKENDS = sorted(m.name for m in pkgutil.iter_modules(servers.__path__))
 pytest_plugins = [f"tests.servers.{name}" for name in SERVER_BACKENDS]
 BACKENDS = ["memory", "local", *SERVER_BACKENDS]
@@ -25,7 +30,7 @@ BACKENDS = ["memory", "local", *SERVER_BACKENDS]
 def small_config(**overrides: object) -> TransferConfig:
     """Small parts so multipart paths run on small files (backends raise it to their minimum)."""
     base = {"part_size": 256 << 10, "multipart_threshold": 256 << 10, "max_in_flight": 4,
-            "retries": 3, "backoff_base": 0.01, "backoff_max": 0.05}
+            "retries": 3, "retry_for": 0, "backoff_base": 0.01, "backoff_max": 0.05}
     base.update(overrides)
     return TransferConfig(**base)  # type: ignore[arg-type]
 

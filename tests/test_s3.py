@@ -539,24 +539,6 @@ async def test_good_credentials_on_auth_server(auth_server, monkeypatch) -> None
         await store.close()
 
 
-async def test_unreachable_endpoint_fails_fast(tmp_path) -> None:
-    endpoint = f"http://127.0.0.1:{free_port()}"
-    uri = f"s3://{BUCKET}/p/f?endpoint_override={endpoint}"
-    store = open_store(uri, small_config())
-    try:
-        with pytest.raises(StoreError) as info:
-            await store.head("p/f")
-        assert not isinstance(info.value, TransientStoreError)
-        assert one_line(info.value).startswith(f"cannot reach S3 endpoint {endpoint} for s3://{BUCKET}/p/f")
-    finally:
-        await store.close()
-    path, _ = make_file(tmp_path, "f", 10)
-    config = TransferConfig(retries=6, backoff_base=5.0)  # a retried connect would take minutes
-    with pytest.raises(StoreError, match="cannot reach S3 endpoint") as info:
-        await fastckpt.upload_async(path, uri, config=config)
-    assert not isinstance(info.value, TransientStoreError) and "attempts" not in one_line(info.value)
-
-
 def test_hash_in_uri_is_an_error_not_a_request_to_aws(moto_server: MotoServer, tmp_path) -> None:
     """``#`` used to drop the query (endpoint_override included) and send signed requests to AWS."""
     import subprocess

@@ -169,7 +169,9 @@ class CheckpointWriter:
             await self._refuse_committed()
             self._attempt = self._attempt or attempt_from_env() or await self._agree_attempt()
             self._transfer = Transfer(self._store, self.config, self._progress)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, Exception):  # the other ranks learn of it now, not at their barrier timeout
+                await self._report_failure(exc)
             await self._close()
             raise
         return self

@@ -216,6 +216,7 @@ class AzureStore(Store):
         self._session: aiohttp.ClientSession | None = None
         self._credential: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._connected = False
 
     def __repr__(self) -> str:
         return f"AzureStore({self.endpoint.url}/{self.container})"
@@ -240,9 +241,14 @@ class AzureStore(Store):
         transport = AioHttpTransport(session=self._session, session_owner=False,
                                      connection_timeout=self._timeouts[0], read_timeout=self._timeouts[1])
         self._client = ContainerClient(self.endpoint.url, self.container, credential=credential,
-                                       transport=transport, retry_total=0, max_single_put_size=_MAX_PUT_BLOB)
+                                       transport=transport, retry_total=0, max_single_put_size=_MAX_PUT_BLOB,
+                                       raw_response_hook=self._answered)
         self._loop = loop
         return self._client
+
+    def _answered(self, _: object) -> None:
+        """Every response: the endpoint is reachable (a later connection failure is transient)."""
+        self._connected = True
 
     def _blob(self, key: str) -> BlobClient:
         return self._container().get_blob_client(key)
@@ -263,8 +269,9 @@ class AzureStore(Store):
         where = self.url(key) if key is not None else f"container {self.container!r} of account " \
                                                        f"{self.endpoint.account!r}"
         if isinstance(exc, (ServiceRequestError, ServiceResponseError, asyncio.TimeoutError, aiohttp.ClientError)):
-            return unreachable("azure", where, f"connection to {self.endpoint.url} failed: {type(exc).__name__}",
-                               key=key)
+            refused = isinstance(getattr(exc, "inner_exception", exc), aiohttp.ClientConnectorError)
+            return unreachable("Azure", self.endpoint.url, where, type(exc).__name__, key=key,
+                               first_contact=refused and not self._connected)
         if isinstance(exc, ClientAuthenticationError) and exc.response is None:
             return AccessDeniedError(f"{where}: could not get a token from {self.endpoint.source}", key=key,
                                      backend="azure")

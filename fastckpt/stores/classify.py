@@ -63,8 +63,23 @@ def classify(table: ErrorTable, status: int, code: str, *, place: str, bucket: s
     return StoreError(f"{place}: {label}{at}" + (f": {detail}" if detail else ""), **fields)
 
 
-def unreachable(backend: str, place: str, detail: str, *, key: str | None = None,
-                retryable: bool = True) -> StoreError:
-    """A request that got no answer (connection refused or reset, timeout)."""
-    cls = TransientStoreError if retryable else StoreError
-    return cls(f"{place}: {detail}", key=key, backend=backend)
+class EndpointUnreachableError(TransientStoreError):
+    """The endpoint has never answered this store: the connection was refused or the host does not resolve.
+
+    Retried ``config.retries`` times only, not for the whole ``retry_for`` budget: a wrong endpoint fails
+    in seconds, a refusal during a restart or failover is ridden out.
+    """
+
+
+def unreachable(service: str, endpoint: str, place: str, detail: str, *, key: str | None = None,
+                first_contact: bool = False) -> StoreError:
+    """A request on ``place`` that got no answer from ``endpoint`` of ``service`` (S3, GCS, Azure).
+
+    ``first_contact``: the endpoint has never answered and refused the connection or does not resolve
+    (``EndpointUnreachableError``). Otherwise (a reset, a timeout, an outage after it answered) a
+    TransientStoreError.
+    """
+    fields = {"key": key, "backend": service.lower()}
+    if first_contact:
+        return EndpointUnreachableError(f"cannot reach {service} endpoint {endpoint} for {place}: {detail}", **fields)
+    return TransientStoreError(f"{place}: connection to {endpoint} failed: {detail}", **fields)

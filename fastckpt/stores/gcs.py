@@ -1,7 +1,7 @@
 """Google Cloud Storage backend on gcloud-aio-storage (``gs://bucket/prefix``).
 
 Large objects are written as **parallel composite uploads**: each part is a temporary object under a
-hidden prefix tied to the upload (``<dir>/.fastckpt-parts/<name>.<upload_id>/<index>``), and
+hidden prefix tied to the upload (``<dir>/.fastckpt-parts/<name>.<upload_id>/<index>.<nonce>``), and
 ``complete`` composes them (at most 32 sources per compose, in several levels when there are more)
 into the target, setting its metadata, then deletes the temporaries. ``abort`` deletes everything
 under the upload's prefix; ``list`` / ``list_dir`` never show it, ``list_pending_uploads`` finds it.
@@ -127,12 +127,11 @@ class GCSUpload(MultipartUpload):
         self.key, self.upload_id = key, secrets.token_hex(8)
         self._store, self._metadata, self._if_absent = store, metadata, if_absent
         self.prefix = parts_prefix(key, self.upload_id)
-        self._sizes: dict[int, int] = {}
+        self._parts: dict[int, tuple[str, int]] = {}
+        """index -> (temporary object, size) of the part stored last; a retried part gets a new name, so a
+        cancelled attempt's late clean-up never deletes its successor."""
         self._cleanups: set[asyncio.Future[None]] = set()
         self._closed = False
-
-    def _part(self, index: int) -> str:
-        return f"{self.prefix}{index}"
 
     def _check_open(self) -> None:
         if self._closed:
@@ -140,34 +139,38 @@ class GCSUpload(MultipartUpload):
 
     async def put_part(self, index: int, data: Buffer) -> PartInfo:
         self._check_open()
+        name = f"{self.prefix}{index}.{secrets.token_hex(4)}"
         with memoryview(data) as raw, raw.cast("B") as view:  # released: the caller's buffer goes back to a pool
             size = len(view)
             try:
-                await self._store.upload_object(self._part(index), view)
+                await self._store.upload_object(name, view)
             except asyncio.CancelledError:
                 # The whole body may have been sent: the server can still store the part after this; delete it
                 # (``abort`` waits for these deletions before clearing the prefix).
-                cleanup = asyncio.ensure_future(self._store.delete_quietly([self._part(index)]))
+                cleanup = asyncio.ensure_future(self._store.delete_quietly([name]))
                 self._cleanups.add(cleanup)
                 cleanup.add_done_callback(self._cleanups.discard)
                 raise
         if self._closed:  # aborted meanwhile: leave nothing behind
-            await self._store.delete(self._part(index))
+            await self._store.delete(name)
             self._check_open()
-        self._sizes[index] = size
-        return PartInfo(index, size)
+        replaced = self._parts.get(index)
+        self._parts[index] = (name, size)
+        if replaced:
+            await self._store.delete_quietly([replaced[0]])
+        return PartInfo(index, size, name)
 
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
         self._check_open()
         indexes = [p.index for p in parts]
-        if indexes != list(range(len(parts))) or any(i not in self._sizes for i in indexes):
+        if indexes != list(range(len(parts))) or any(i not in self._parts for i in indexes):
             raise StoreError(f"composite upload of {self._store.url(self.key)}: parts {indexes} "
                              "are not 0..n-1 as uploaded")
         meta = metadata or self._metadata
         if not parts:
             await self._store.put(self.key, b"", metadata=meta, if_absent=self._if_absent)
         else:
-            sources, level, temps = [self._part(i) for i in indexes], 0, []
+            sources, level, temps = [self._parts[i][0] for i in indexes], 0, []
             while len(sources) > COMPOSE_LIMIT:
                 groups = [sources[i : i + COMPOSE_LIMIT] for i in range(0, len(sources), COMPOSE_LIMIT)]
                 names = [f"{self.prefix}c{level}-{j}" for j in range(len(groups))]
@@ -177,11 +180,11 @@ class GCSUpload(MultipartUpload):
             if self._if_absent:
                 await self._store.check_compose_if_absent(self.key)
             result = await self._store.compose(self.key, sources, meta, if_absent=self._if_absent)
-            expected = sum(self._sizes[i] for i in indexes)
+            expected = sum(self._parts[i][1] for i in indexes)
             if int(result.get("size", expected)) != expected:
                 raise StoreError(f"compose of {self._store.url(self.key)} made {result.get('size')} bytes, "
                                  f"its parts hold {expected}")
-            await self._store.delete_quietly([self._part(i) for i in self._sizes] + temps)
+            await self._store.delete_quietly([name for name, _ in self._parts.values()] + temps)
         self._closed = True
 
     async def abort(self) -> None:
@@ -213,6 +216,7 @@ class GCSStore(Store):
         self._token: Token | None = None
         self._had_token = False
         self._bucket_exists = False
+        self._connected = False
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
 
     def url(self, key: str = "") -> str:
@@ -269,8 +273,9 @@ class GCSStore(Store):
         """Run ``op(client, headers)``, turning HTTP and connection failures into fastckpt errors."""
         headers = await self._headers()
         try:
-            return await op(self._storage(), headers)
+            result = await op(self._storage(), headers)
         except (aiohttp.ClientResponseError, _HTTPStatus) as exc:
+            self._connected = True
             message = exc.message if isinstance(exc, _HTTPStatus) else _server_message(exc.message)
             code = "crc32cMismatch" if exc.status == 400 and "crc32c" in message.lower() else ""
             if exc.status == 404 and not self._bucket_exists and await self._bucket_missing():
@@ -281,7 +286,10 @@ class GCSStore(Store):
                            denied_hint=f"{auth}: {message}") from exc
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
             detail = " ".join(str(exc).split()) or type(exc).__name__
-            raise unreachable("gcs", what, f"cannot reach GCS at {self.endpoint}: {detail}", key=key) from exc
+            raise unreachable("GCS", self.endpoint, what, detail, key=key, first_contact=not self._connected and
+                              isinstance(exc, aiohttp.ClientConnectorError)) from exc
+        self._connected = True
+        return result
 
     async def _bucket_missing(self) -> bool:
         """Whether the bucket is absent (a 404 then names the bucket, not the object)."""

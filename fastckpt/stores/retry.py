@@ -2,7 +2,9 @@
 
 Each request of the store protocol is retried, with exponential backoff and full jitter, while it fails
 with a retryable error (``StoreError.retryable``: 5xx, throttling, resets, timeouts; and connection
-errors), up to ``config.retries`` times; then a TransientStoreError names the request and the attempts.
+errors), at least ``config.retries`` times and for at least ``config.retry_for`` seconds (an outage of a
+minute or two passes unnoticed); then a TransientStoreError names the request and the attempts. A request
+moving data also has a deadline (``within_deadline``): one that stalls mid-body is cancelled and retried.
 Anything else propagates at once. ``open_store`` applies the wrapper, and ``retrying`` gives one to a
 store handed in by a caller, so the layers above never retry by themselves.
 
@@ -24,12 +26,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from ..config import TransferConfig
 from ..errors import TransientStoreError
 from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
+from .classify import EndpointUnreachableError
 
 T = TypeVar("T")
 log = logging.getLogger("fastckpt")
@@ -46,22 +50,37 @@ def is_retryable(exc: BaseException) -> bool:
 
 
 async def with_retries(op: Callable[[], Awaitable[T]], config: TransferConfig, what: str) -> T:
-    """Run ``op()``; on a retryable error sleep (jittered exponential backoff) and run it again."""
-    attempt = 0
+    """Run ``op()``; on a retryable error sleep (jittered exponential backoff) and run it again, until
+    both ``config.retries`` attempts and ``config.retry_for`` seconds are spent."""
+    attempt, started = 0, time.monotonic()
     while True:
         try:
             return await op()
         except Exception as exc:
             if not is_retryable(exc):
                 raise
-            if attempt >= config.retries:
-                raise TransientStoreError(f"{what}: failed after {attempt + 1} attempts: {exc}",
+            elapsed = time.monotonic() - started
+            budget = 0 if isinstance(exc, EndpointUnreachableError) else config.retry_for
+            if attempt >= config.retries and elapsed >= budget:
+                raise TransientStoreError(f"{what}: failed after {attempt + 1} attempts in {elapsed:.0f} s: {exc}",
                                           key=getattr(exc, "key", None), backend=getattr(exc, "backend", None),
                                           status=getattr(exc, "status", None)) from exc
             delay = backoff(config, attempt)
             log.debug("retrying %s in %.2fs after %s", what, delay, exc)
             attempt += 1
             await asyncio.sleep(delay)
+
+
+async def within_deadline(op: Callable[[], Awaitable[T]], config: TransferConfig, size: int, what: str) -> T:
+    """``op()`` (a request moving ``size`` bytes), cancelled when it runs past ``config.stall_timeout`` +
+    ``size / config.min_rate`` seconds; that raises a (retryable) TransientStoreError."""
+    if not config.min_rate:
+        return await op()
+    limit = config.stall_timeout + size / config.min_rate
+    try:
+        return await asyncio.wait_for(op(), limit)
+    except asyncio.TimeoutError as exc:
+        raise TransientStoreError(f"{what}: stalled, not done after {limit:.0f} s ({size} bytes)") from exc
 
 
 class RetryingStore(Store):
@@ -105,16 +124,21 @@ class RetryingStore(Store):
     async def head(self, key: str) -> ObjectMeta:
         return await self._retry(f"head of {key}", lambda: self.inner.head(key))
 
+    async def _retry_data(self, what: str, size: int, op: Callable[[], Awaitable[T]]) -> T:
+        """A request moving ``size`` bytes: each attempt under its deadline (``within_deadline``)."""
+        return await self._retry(what, lambda: within_deadline(op, self.config, size, what))
+
     async def get_range(self, key: str, start: int, length: int) -> bytes:
-        return await self._retry(f"read of {key}", lambda: self.inner.get_range(key, start, length))
+        return await self._retry_data(f"read of {key}", length, lambda: self.inner.get_range(key, start, length))
 
     async def read_into(self, key: str, start: int, buf: memoryview) -> int:
-        return await self._retry(f"read of {key}", lambda: self.inner.read_into(key, start, buf))
+        return await self._retry_data(f"read of {key}", buf.nbytes, lambda: self.inner.read_into(key, start, buf))
 
     async def put(
         self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None
     ) -> None:
-        await self._retry(f"write of {key}", lambda: self.inner.put(key, data, if_absent=if_absent, metadata=metadata))
+        await self._retry_data(f"write of {key}", memoryview(data).nbytes,
+                               lambda: self.inner.put(key, data, if_absent=if_absent, metadata=metadata))
 
     async def list_page(self, prefix: str, delimiter: str | None = None, token: str | None = None) -> ListPage:
         return await self._retry(f"listing of {prefix}", lambda: self.inner.list_page(prefix, delimiter, token))
@@ -171,8 +195,8 @@ class _RetryingUpload(MultipartUpload):
         self.key, self.upload_id = inner.key, inner.upload_id
 
     async def put_part(self, index: int, data: Buffer) -> PartInfo:
-        return await self._store._retry(f"upload of {self.key} (part {index})",
-                                        lambda: self._inner.put_part(index, data))
+        return await self._store._retry_data(f"upload of {self.key} (part {index})", memoryview(data).nbytes,
+                                             lambda: self._inner.put_part(index, data))
 
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
         await self._store._retry(f"completion of {self.key}", lambda: self._inner.complete(parts, metadata))

@@ -20,6 +20,7 @@ import hashlib
 import os
 import posixpath
 import secrets
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -56,7 +57,7 @@ from ..errors import (
 )
 from ..uri import StorageURI, check_options
 from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
-from .classify import ErrorTable, classify
+from .classify import ErrorTable, classify, unreachable
 from .conditional import IfAbsentGuard
 
 MiB = 1 << 20
@@ -360,10 +361,11 @@ class S3Store(Store):
             return StoreError(f"TLS error talking to {self.endpoint} for {where}; for a plain-http endpoint "
                               "use endpoint_override=http://... or &scheme=http")
         if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError)):
-            reason = " ".join(str(exc.kwargs.get("error", exc)).split())
-            if not self._connected:
-                return StoreError(f"cannot reach S3 endpoint {self.endpoint} for {where}: {reason}")
-            return TransientStoreError(f"{where}: connection to {self.endpoint} failed: {reason}")
+            cause = exc.kwargs.get("error", exc)
+            refused = isinstance(exc, ConnectTimeoutError) or isinstance(
+                cause, (aiohttp.ClientConnectorError, socket.gaierror))  # not a reset after connecting
+            return unreachable("S3", self.endpoint, where, " ".join(str(cause).split()),
+                               first_contact=refused and not self._connected)
         if isinstance(exc, (ReadTimeoutError, HTTPClientError, IncompleteReadError, aiohttp.ClientError,
                             asyncio.TimeoutError, ConnectionError)):
             return TransientStoreError(f"{where}: {type(exc).__name__} talking to {self.endpoint}")

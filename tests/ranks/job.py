@@ -50,7 +50,7 @@ def save(path: str, data: bytes) -> None:
 def config() -> TransferConfig:
     """Small parts so that the big file goes multipart."""
     return TransferConfig(part_size=256 << 10, multipart_threshold=256 << 10, max_in_flight=4, retries=3,
-                          backoff_base=0.01, backoff_max=0.05)
+                          retry_for=0, backoff_base=0.01, backoff_max=0.05)
 
 
 class PausingStore(FaultInjectingStore):

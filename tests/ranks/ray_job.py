@@ -23,7 +23,7 @@ def rank_task(uri: str, rank: int, barrier, workdir: str, contributors: list[int
 
     try:
         with SyncCheckpointWriter(uri, rank=rank, world_size=WORLD, barrier=barrier,
-                                  config=TransferConfig(part_size=256 << 10, retries=2)) as writer:
+                                  config=TransferConfig(part_size=256 << 10, retries=2, retry_for=0)) as writer:
             if rank in contributors:
                 path = os.path.join(workdir, f"{os.path.basename(uri)}-{rank}.bin")
                 with open(path, "wb") as f:

@@ -1,0 +1,217 @@
+"""A wire-level fault proxy: a TCP proxy on 127.0.0.1 in front of one emulator that breaks connections
+the way networks, load balancers and overloaded servers do.
+
+Each accepted connection asks ``rule(n)`` (n counts connections from 0) for a ``Fault`` or None:
+
+- ``reset_request`` / ``reset_response``: an RST on both sides once ``after`` bytes went up / came down;
+- ``truncate_response``: a clean close (FIN) after ``after`` bytes of the answer: a short body;
+- ``stall`` / ``stall_response``: once ``after`` bytes went up / came down, that direction stops for
+  ``seconds`` (then it goes on): a server that stops reading, or sending, mid-body;
+- ``status``: the first request is answered by the proxy with ``status`` (503 ``SlowDown`` by default);
+- ``refuse``: an RST as soon as the connection is accepted.
+
+``outage(seconds)`` resets every open connection and refuses new ones for that long (a server restart
+or a load-balancer failover). The proxy runs its own event loop in a thread, so clients of any loop
+(and synchronous ones) can use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+KINDS = ("reset_request", "reset_response", "truncate_response", "stall", "stall_response", "status", "refuse")
+CHUNK = 64 << 10
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What to do to one connection (see the module doc)."""
+
+    kind: str
+    after: int = 0
+    seconds: float = 0.0
+    status: int = 503
+    code: str = "SlowDown"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown fault {self.kind!r}: expected one of {KINDS}")
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close with an RST (SO_LINGER 0), not a FIN."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    writer.transport.abort()
+
+
+class FaultProxy:
+    """``with FaultProxy(upstream_port, rule) as proxy:`` and send requests to ``proxy.url``."""
+
+    def __init__(self, upstream_port: int, rule: Callable[[int], Fault | None] = lambda n: None) -> None:
+        self.upstream_port, self.rule = upstream_port, rule
+        self.triggered: list[str] = []
+        """Kinds of the faults that took effect so far, in order."""
+        self._count = itertools.count()
+        self._budget: int | None = None
+        self._down_until = 0.0
+        self._live: set[asyncio.StreamWriter] = set()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> FaultProxy:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("fault proxy did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def arm(self, fault: Fault | None, times: int = 1, skip: int = 0) -> None:
+        """Apply ``fault`` ``times`` times, to connections opened after the next ``skip``: a byte-triggered
+        fault goes to the first connections whose traffic gets that far (``arm(None)``: no faults)."""
+        self._budget = times
+        skipped = [skip]
+
+        def rule(_: int) -> Fault | None:
+            if skipped[0] > 0:
+                skipped[0] -= 1
+                return None
+            return fault if self._budget > 0 else None
+
+        self.rule = rule
+
+    def _take(self) -> bool:
+        """Whether a fault may take effect now (and count it against ``arm``'s budget)."""
+        if self._budget is None:
+            return True
+        self._budget -= 1
+        return self._budget >= 0
+
+    def outage(self, seconds: float) -> None:
+        """Reset every open connection now and refuse new ones for ``seconds``."""
+        self._down_until = time.monotonic() + seconds
+        self._loop.call_soon_threadsafe(lambda: [_reset(w) for w in list(self._live)])
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            server.close()
+            for writer in list(self._live):
+                writer.transport.abort()
+            self._loop.run_until_complete(asyncio.sleep(0))
+            self._loop.close()
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        fault = self.rule(next(self._count))
+        forced = time.monotonic() < self._down_until
+        if forced:
+            fault = Fault("refuse")
+        if fault is not None and fault.kind in ("refuse", "status") and not (forced or self._take()):
+            fault = None
+        if fault is not None and fault.kind == "refuse":
+            self.triggered.append(fault.kind)
+            _reset(client_w)
+            return
+        if fault is not None and fault.kind == "status":
+            self.triggered.append(fault.kind)
+            await self._answer(client_r, client_w, fault)
+            return
+        try:
+            upstream_r, upstream_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            _reset(client_w)
+            return
+        pair = (client_w, upstream_w)
+        self._live.update(pair)
+        up = fault if fault is not None and fault.kind in ("reset_request", "stall") else None
+        down = fault if fault is not None and fault.kind in ("reset_response", "truncate_response",
+                                                             "stall_response") else None
+        try:
+            await asyncio.gather(self._pipe(client_r, upstream_w, up, pair),
+                                 self._pipe(upstream_r, client_w, down, pair))
+        finally:
+            self._live.difference_update(pair)
+            for writer in pair:
+                writer.transport.abort()
+
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, fault: Fault | None,
+                    pair: tuple[asyncio.StreamWriter, asyncio.StreamWriter]) -> None:
+        """Copy ``src`` to ``dst``, applying ``fault`` once ``fault.after`` bytes have passed."""
+        moved = 0
+        try:
+            while True:
+                data = await src.read(CHUNK)
+                if not data:
+                    if dst.can_write_eof():
+                        dst.write_eof()
+                    return
+                if fault is not None and moved + len(data) > fault.after and not self._take():
+                    fault = None
+                if fault is not None and moved + len(data) > fault.after:
+                    head = data[: max(0, fault.after - moved)]
+                    dst.write(head)
+                    await dst.drain()
+                    self.triggered.append(fault.kind)
+                    if fault.kind.startswith("stall"):
+                        await asyncio.sleep(fault.seconds)
+                        dst.write(data[len(head):])
+                        fault = None
+                    elif fault.kind == "truncate_response":
+                        dst.close()
+                        pair[0 if dst is pair[1] else 1].transport.abort()
+                        return
+                    else:
+                        for writer in pair:
+                            _reset(writer)
+                        return
+                else:
+                    dst.write(data)
+                moved += len(data)
+                await dst.drain()
+        except (ConnectionError, OSError):
+            for writer in pair:
+                writer.transport.abort()
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, fault: Fault) -> None:
+        """Read one request (its body unless it waits for ``100 Continue``) and answer ``fault.status``."""
+        try:
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+            length = next((int(line.split(":", 1)[1]) for line in head.split("\r\n")
+                           if line.startswith("content-length:")), 0)
+            if "expect: 100-continue" not in head and length:
+                await reader.readexactly(length)
+            body = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{fault.code}</Code>'
+                    f"<Message>injected by the fault proxy</Message></Error>").encode()
+            writer.write(f"HTTP/1.1 {fault.status} Injected\r\nContent-Type: application/xml\r\n"
+                         f"x-ms-error-code: {fault.code}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+                         .encode() + body)
+            await writer.drain()
+        except (ConnectionError, OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
