@@ -140,6 +140,9 @@ def parse_uri(uri: str | os.PathLike[str]) -> StorageURI:
         backend = scheme if scheme in plugin_schemes() else "delegate"
         return StorageURI(text, scheme, backend, parts.netloc, unquote(parts.path).strip("/"), options)
     path = unquote(parts.path)
+    if backend != "local" and any(p in (".", "..") or "\0" in p for p in path.split("/")):
+        raise ValueError(f"invalid storage URI {text!r}: a key cannot hold a '.' or '..' part or a NUL byte "
+                         "(it would be stored as written, then refused by every download)")
     if backend == "local":
         if parts.netloc not in ("", "localhost"):
             raise ValueError(f"invalid storage URI {text!r}: file:// URIs take no host, use file:///abs/path")

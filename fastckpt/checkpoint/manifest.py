@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import xxhash
@@ -117,6 +118,9 @@ class RankManifest:
             files = tuple(FileEntry(check_name(f["name"]),
                                     FileDigest(int(f["size"]), int(f["chunk_size"]), str(f["digest"])))
                           for f in doc["files"])
+            twice = sorted(n for n, count in Counter(f.name for f in files).items() if count > 1)
+            if twice:
+                raise ValueError(f"file name(s) {twice[:5]} listed more than once")
             return cls(str(doc["attempt"]), int(doc["rank"]), int(doc["world_size"]), files,
                        doc.get("error"), float(doc["created_at"]))
         except (KeyError, TypeError, ValueError) as exc:

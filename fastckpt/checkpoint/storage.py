@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from ..errors import CheckpointError
 from ..stores.base import Store
+
+MAX_DOCUMENT = 256 << 20
+"""Largest manifest or marker read (about a million files): a bigger one is refused, not loaded."""
 
 
 async def read_object(store: Store, key: str) -> bytes:
-    """The whole of a small object; ObjectNotFoundError when absent."""
+    """The whole of a small object (a manifest, a marker, a barrier payload); ObjectNotFoundError when absent,
+    CheckpointError when it is larger than ``MAX_DOCUMENT``."""
     meta = await store.head(key)
+    if meta.size > MAX_DOCUMENT:
+        raise CheckpointError(f"{key} is {meta.size} bytes, over the limit of {MAX_DOCUMENT} bytes for a fastckpt "
+                              "manifest or marker; refusing to read it")
     return await store.get_range(key, 0, meta.size)

@@ -56,11 +56,38 @@ async def off_loop(fn: Callable[..., T], *args: object) -> T:
 
 
 def local_files(src: str) -> list[tuple[str, str]]:
-    """(path, relative '/'-path) of every file below directory ``src``, sorted."""
+    """(path, relative '/'-path) of every file below directory ``src``, sorted.
+
+    A symlink is uploaded as the file it points to when that file lies inside ``src``; a symlink that
+    points outside the tree, to a directory or nowhere is refused (ValueError naming it): a tree's upload
+    never reads outside the tree.
+    """
+    root = os.path.realpath(src)
     out = []
     for dirpath, dirnames, filenames in os.walk(src):
         dirnames.sort()
-        for name in sorted(filenames):
+        for name in sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
             path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                target = os.path.realpath(path)
+                if not os.path.isfile(target) or os.path.commonpath([root, target]) != root:
+                    raise ValueError(f"refusing to upload symlink {path} -> {os.readlink(path)}: it points outside "
+                                     f"{src}, to a directory or nowhere")
             out.append((path, os.path.relpath(path, src).replace(os.sep, "/")))
     return out
+
+
+def path_below(root: str, rel: str) -> str:
+    """The local path of the '/'-separated name ``rel`` below directory ``root`` (a download target).
+
+    ``rel`` comes from storage, so it is untrusted: ValueError when it has an empty, '.' or '..' part, a
+    NUL, or when the path would land outside ``root`` through a symlinked directory already there.
+    """
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") or "\0" in p for p in parts):
+        raise ValueError(f"refusing unsafe object name {rel!r} (below {root})")
+    path = os.path.join(root, *parts)
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([real_root, os.path.realpath(os.path.dirname(path))]) != real_root:
+        raise ValueError(f"refusing to write {rel!r}: {os.path.dirname(path)} leads outside {root} (a symlink)")
+    return path

@@ -195,11 +195,13 @@ class Transfer:
                 finally:
                     os.close(fd)
                 os.replace(tmp, path)
-            except BaseException:
+            except BaseException as exc:
                 try:
                     os.unlink(tmp)
                 except FileNotFoundError:
                     pass
+                if isinstance(exc, OSError) and exc.errno and not exc.filename and not isinstance(exc, StoreError):
+                    raise OSError(exc.errno, f"{exc.strerror} (downloading {key})", path) from exc  # e.g. ENOSPC
                 raise
         return FileResult(key, path, FileDigest(meta.size, chunk, combine(digests)))
 
