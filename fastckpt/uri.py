@@ -91,6 +91,17 @@ def parse_flag(name: str, value: str | None, where: str) -> bool | None:
     raise ValueError(f"invalid {where}: option {name}={value!r} is not a boolean (use true or false)")
 
 
+_SECRET_PARAM = re.compile(r"(?i)([?&](?:sig|signature|sas|token|[a-z0-9_-]*(?:key|secret|password|credential|"
+                           r"security-token))=)[^&#]*")
+
+
+def redact(text: str) -> str:
+    """``text`` (a URI) with the values of secret-looking query parameters (a SAS ``sig``, keys, tokens) and
+    a password in the user info replaced by ``REDACTED``: what messages may show."""
+    text = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/@:]*):[^/@]*@", r"\1:REDACTED@", text)
+    return _SECRET_PARAM.sub(r"\1REDACTED", text)
+
+
 def check_options(uri: StorageURI, known: frozenset[str]) -> dict[str, str]:
     """``uri``'s options; ValueError naming any that its backend (which takes ``known``) does not."""
     unknown = set(uri.options) - known
@@ -117,15 +128,16 @@ def parse_uri(uri: str | os.PathLike[str]) -> StorageURI:
     text = os.fspath(uri)
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"invalid storage URI {text!r}: empty")
+    shown = redact(text)  # what messages and ``raw`` show
     if "://" not in text:
         if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", text) and not re.match(r"^[A-Za-z]:[\\/]", text):
-            raise ValueError(f"invalid storage URI {text!r}: expected scheme://..., e.g. s3://bucket/prefix")
+            raise ValueError(f"invalid storage URI {shown!r}: expected scheme://..., e.g. s3://bucket/prefix")
         path = os.path.abspath(os.path.expanduser(text))
-        return StorageURI(text, "file", "local", "", path.strip("/"))
+        return StorageURI(shown, "file", "local", "", path.strip("/"))
     parts = urlsplit(text)
     if "#" in text:
         # urlsplit moves everything after '#' (query included) into the fragment: never drop it silently.
-        raise ValueError(f"invalid storage URI {text!r}: '#' starts a URL fragment, which a storage URI cannot "
+        raise ValueError(f"invalid storage URI {shown!r}: '#' starts a URL fragment, which a storage URI cannot "
                          "honour (everything after it would be ignored); write a '#' in a key as %23")
     scheme = parts.scheme.lower()
     backend = BACKEND_OF_SCHEME.get(scheme)
@@ -135,28 +147,28 @@ def parse_uri(uri: str | os.PathLike[str]) -> StorageURI:
     options = dict(pairs)
     if len(options) != len(pairs):
         repeated = sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
-        raise ValueError(f"invalid storage URI {text!r}: option(s) {repeated} given more than once")
+        raise ValueError(f"invalid storage URI {shown!r}: option(s) {repeated} given more than once")
     if backend is None:
         backend = scheme if scheme in plugin_schemes() else "delegate"
-        return StorageURI(text, scheme, backend, parts.netloc, unquote(parts.path).strip("/"), options)
+        return StorageURI(shown, scheme, backend, parts.netloc, unquote(parts.path).strip("/"), options)
     path = unquote(parts.path)
     if backend != "local" and any(p in (".", "..") or "\0" in p for p in path.split("/")):
-        raise ValueError(f"invalid storage URI {text!r}: a key cannot hold a '.' or '..' part or a NUL byte "
+        raise ValueError(f"invalid storage URI {shown!r}: a key cannot hold a '.' or '..' part or a NUL byte "
                          "(it would be stored as written, then refused by every download)")
     if backend == "local":
         if parts.netloc not in ("", "localhost"):
-            raise ValueError(f"invalid storage URI {text!r}: file:// URIs take no host, use file:///abs/path")
-        return StorageURI(text, scheme, backend, "", os.path.abspath(path or "/").strip("/"), options)
+            raise ValueError(f"invalid storage URI {shown!r}: file:// URIs take no host, use file:///abs/path")
+        return StorageURI(shown, scheme, backend, "", os.path.abspath(path or "/").strip("/"), options)
     if backend == "memory":
-        return StorageURI(text, scheme, backend, parts.netloc, path.strip("/"), options)
+        return StorageURI(shown, scheme, backend, parts.netloc, path.strip("/"), options)
     if backend == "azure":
-        return _parse_azure(text, scheme, parts.netloc, path, options)
+        return _parse_azure(shown, scheme, parts.netloc, path, options)
     bucket = parts.netloc
     if not bucket:
-        raise ValueError(f"invalid storage URI {text!r}: missing bucket name ({scheme}://BUCKET/prefix)")
+        raise ValueError(f"invalid storage URI {shown!r}: missing bucket name ({scheme}://BUCKET/prefix)")
     if not _BUCKET_RE.match(bucket):
-        raise ValueError(f"invalid storage URI {text!r}: {bucket!r} is not a valid bucket name")
-    return StorageURI(text, scheme, backend, bucket, path.strip("/"), options)
+        raise ValueError(f"invalid storage URI {shown!r}: {bucket!r} is not a valid bucket name")
+    return StorageURI(shown, scheme, backend, bucket, path.strip("/"), options)
 
 
 def _parse_azure(text: str, scheme: str, netloc: str, path: str, options: dict[str, str]) -> StorageURI:

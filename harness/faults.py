@@ -56,6 +56,13 @@ class FaultInjectingStore(Store):
             self.injected += 1
             raise TransientStoreError(f"injected transient failure: {op} {key}")
 
+    @property
+    def location(self) -> tuple[object, ...]:
+        return self.inner.location
+
+    def uri(self, key: str = "") -> str:
+        return self.inner.uri(key)
+
     async def close(self) -> None:
         await self.inner.close()
 

@@ -33,7 +33,7 @@ from ..errors import ObjectNotFoundError
 from ..stores import open_store
 from ..stores.base import Store
 from ..stores.retry import retrying
-from ..uri import BACKEND_OF_SCHEME, StorageURI, parse_uri
+from ..uri import BACKEND_OF_SCHEME, StorageURI, parse_uri, redact
 from .files import InputFile, OutputStream, ReaderHandle, WriterHandle
 
 T = TypeVar("T")
@@ -91,7 +91,7 @@ class FastckptHandler(pafs.FileSystemHandler):
         return type(self), (self.uri, self.config, self.store_wrapper)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.uri!r})"
+        return f"{type(self).__name__}({redact(self.uri)!r})"
 
     def get_type_name(self) -> str:
         return f"fastckpt+{self.backend}"
