@@ -258,8 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         by = _stopped_by[0] if _stopped_by else "SIGINT"
-        print(f"fastckpt {args.command}: stopped by {by}: uploads in progress were aborted and partial downloads "
-              "removed; nothing was kept for resume", file=sys.stderr)
+        print(f"fastckpt {args.command}: stopped by {by}: nothing incomplete appears under its final name; what "
+              "was already transferred is kept: run the same command again to resume, or `fastckpt gc` to discard "
+              "it", file=sys.stderr)
         return 143 if by == "SIGTERM" else 130
     if args.json:
         print(json.dumps(out, indent=2, default=str))

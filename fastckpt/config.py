@@ -51,6 +51,11 @@ class TransferConfig:
     sending mid-body cannot hold a transfer."""
     min_rate: int = 1 << 20
     """Bytes per second per request below which a data request counts as stalled (0: no deadline)."""
+    resume: bool = True
+    """Keep journals so that a killed or interrupted multipart transfer, run again with the same arguments,
+    continues where it stopped (``engine.journal``); parts already stored are re-checked before use."""
+    state_dir: str = ""
+    """Where upload journals live (default ``$FASTCKPT_STATE_DIR``, else ``~/.cache/fastckpt``)."""
     verify: bool = True
     """Check digests on download when the object records one."""
     digest_metadata: bool = True
@@ -81,6 +86,8 @@ def _convert(name: str, type_name: object, text: str) -> object:
             return float(text)
         if name in ("part_size", "multipart_threshold", "min_rate"):
             return parse_size(text)
+        if kind == "str":
+            return text
         return int(text)
     except ValueError:
         raise ValueError(f"invalid value {text!r} for FASTCKPT_{name.upper()}") from None

@@ -103,6 +103,12 @@ class FaultInjectingStore(Store):
         await self.fault("create_multipart", key)
         return _FaultyUpload(self, await self.inner.create_multipart(key, part_size, metadata, if_absent=if_absent))
 
+    async def resume_multipart(self, key: str, upload_id: str, part_size: int, *,
+                               if_absent: bool = False) -> MultipartUpload | None:
+        await self.fault("create_multipart", key)
+        upload = await self.inner.resume_multipart(key, upload_id, part_size, if_absent=if_absent)
+        return None if upload is None else _FaultyUpload(self, upload)
+
     async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         return await self.inner.list_pending_uploads(prefix)
 
@@ -125,3 +131,6 @@ class _FaultyUpload(MultipartUpload):
 
     async def abort(self) -> None:
         await self._inner.abort()
+
+    async def stored_part(self, index: int, size: int, token: str, digest: str) -> PartInfo | None:
+        return await self._inner.stored_part(index, size, token, digest)

@@ -39,6 +39,8 @@ class Fault:
     seconds: float = 0.0
     status: int = 503
     code: str = "SlowDown"
+    across: bool = False
+    """``after`` counts the bytes of every connection in that direction, not just this one's."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -64,6 +66,7 @@ class FaultProxy:
         self.triggered: list[str] = []
         """Kinds of the faults that took effect so far, in order."""
         self._count = itertools.count()
+        self._moved = {"up": 0, "down": 0}
         self._budget: int | None = None
         self._down_until = 0.0
         self._live: set[asyncio.StreamWriter] = set()
@@ -152,15 +155,15 @@ class FaultProxy:
         down = fault if fault is not None and fault.kind in ("reset_response", "truncate_response",
                                                              "stall_response") else None
         try:
-            await asyncio.gather(self._pipe(client_r, upstream_w, up, pair),
-                                 self._pipe(upstream_r, client_w, down, pair))
+            await asyncio.gather(self._pipe(client_r, upstream_w, up, pair, "up"),
+                                 self._pipe(upstream_r, client_w, down, pair, "down"))
         finally:
             self._live.difference_update(pair)
             for writer in pair:
                 writer.transport.abort()
 
     async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, fault: Fault | None,
-                    pair: tuple[asyncio.StreamWriter, asyncio.StreamWriter]) -> None:
+                    pair: tuple[asyncio.StreamWriter, asyncio.StreamWriter], direction: str) -> None:
         """Copy ``src`` to ``dst``, applying ``fault`` once ``fault.after`` bytes have passed."""
         moved = 0
         try:
@@ -170,6 +173,9 @@ class FaultProxy:
                     if dst.can_write_eof():
                         dst.write_eof()
                     return
+                if fault is not None and fault.across:
+                    moved = self._moved[direction]
+                self._moved[direction] += len(data)
                 if fault is not None and moved + len(data) > fault.after and not self._take():
                     fault = None
                 if fault is not None and moved + len(data) > fault.after:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pkgutil
+import tempfile
 import uuid
 
 import pytest
@@ -21,6 +22,8 @@ from . import servers
 # Persistent injected faults fail after ``retries`` attempts, not after the default two-minute retry budget
 # (subprocesses and Ray workers read it from the environment too).
 os.environ.setdefault("FASTCKPT_RETRY_FOR", "0")
+# Upload journals (resume) of the whole session go to a scratch directory, not ~/.cache.
+os.environ.setdefault("FASTCKPT_STATE_DIR", tempfile.mkdtemp(prefix="fastckpt-state-"))
 
 SERVER_BACKENDS = sorted(m.name for m in pkgutil.iter_modules(servers.__path__))
 pytest_plugins = [f"tests.servers.{name}" for name in SERVER_BACKENDS]

@@ -380,9 +380,9 @@ async def gc_async(uri: str | StorageURI, older_than_s: float = 24 * 3600.0, dry
         found = dict(await _candidates(store, base.key))
         pending: dict[str, list[PendingUpload]] = {}
         for up in await store.list_pending_uploads(base.key):
-            root = base.key if base.key in found else _child_of(base.key, up.key)
-            if root is not None:
-                pending.setdefault(root, []).append(up)
+            # an upload of an object directly below the prefix (a killed ``cp``) counts on its own
+            root = base.key if base.key in found else _child_of(base.key, up.key) or up.key
+            pending.setdefault(root, []).append(up)
         for key in sorted(set(found) | set(pending)):
             await _gc_one(store, base, key, key in found, pending.get(key, []), now - older_than_s, cfg, report)
         return report

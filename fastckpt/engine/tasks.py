@@ -9,14 +9,25 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+SIBLING_FAILED = "fastckpt: cancelled because a sibling failed"
+"""The message of the CancelledError that ``gather_all`` cancels siblings with (``cancelled_by_failure``)."""
+
+
+def cancelled_by_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a cancellation because work beside it failed (not an interrupt from outside)."""
+    return isinstance(exc, asyncio.CancelledError) and SIBLING_FAILED in exc.args
+
+
 async def gather_all(aws: Iterable[Awaitable[T]]) -> list[T]:
     """Like ``asyncio.gather`` but on the first exception the others are cancelled and awaited."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         return await asyncio.gather(*tasks)
-    except BaseException:
+    except BaseException as exc:
+        # a cancellation passes on as it came (an interrupt stays an interrupt); a failure says so
+        why = (exc.args[0] if exc.args else None) if isinstance(exc, asyncio.CancelledError) else SIBLING_FAILED
         for t in tasks:
-            t.cancel()
+            t.cancel(why)
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
 

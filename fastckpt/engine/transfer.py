@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import secrets
@@ -11,13 +12,14 @@ from dataclasses import dataclass
 from ..config import TransferConfig
 from ..errors import AlreadyExistsError, IntegrityError, ObjectNotFoundError, StoreError
 from ..integrity import FileDigest, combine, hash_chunks, read_and_hash, read_exact, write_at
-from ..stores.base import MultipartUpload, PartInfo, Store
+from ..stores.base import MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
 from ..stores.retry import retrying
 from .io import off_loop, start_io_threads
+from .journal import PARTIAL, Journal, partial_paths, state_dir
 from .plan import Plan, plan_download, plan_upload
 from .pool import BufferPool
 from .progress import Progress, ProgressCallback
-from .tasks import gather_all
+from .tasks import cancelled_by_failure, gather_all
 
 log = logging.getLogger("fastckpt")
 
@@ -116,36 +118,97 @@ class Transfer:
         pre: FileDigest | None = None
         if self.config.digest_metadata and not self.store.metadata_on_complete:
             pre = await self._hash_file(fd, plan)
-        mpu: MultipartUpload = await self.store.create_multipart(
-            key, plan.part_size, pre.metadata() if pre else None, if_absent=if_absent)
+        journal = self._upload_journal(fd, plan, key, path, if_absent, pre)
+        mpu = await self._resume(journal, key, plan, if_absent)
+        if mpu is None:
+            mpu = await self.store.create_multipart(
+                key, plan.part_size, pre.metadata() if pre else None, if_absent=if_absent)
+            if journal is not None:
+                journal.start(upload_id=mpu.upload_id)
         try:
-            results = await gather_all(self._send_part(fd, plan, i, mpu) for i in range(plan.count))
+            results = await gather_all(self._send_part(fd, plan, i, mpu, journal) for i in range(plan.count))
             digest = FileDigest(plan.size, plan.part_size, combine([d for _, d in results]))
             if pre is not None and pre.digest != digest.digest:
                 raise IntegrityError(f"{path} changed while it was being uploaded to {key}")
             meta = digest.metadata() if self.config.digest_metadata else None
             await mpu.complete([p for p, _ in results], meta)
         except AlreadyExistsError:
-            await asyncio.shield(self._abort(mpu))
+            await asyncio.shield(self._abort(mpu, journal))
             if not await self._holds(key, digest):
                 raise
-        except BaseException:
-            await asyncio.shield(self._abort(mpu))
+        except asyncio.CancelledError as exc:
+            if journal is None or cancelled_by_failure(exc):
+                await asyncio.shield(self._abort(mpu, journal))
+            else:  # interrupted: kept, the same upload run again continues from the journal (or gc aborts it)
+                journal.close()
             raise
+        except BaseException:
+            await asyncio.shield(self._abort(mpu, journal))
+            raise
+        if journal is not None:
+            journal.remove()
         return digest
 
-    async def _abort(self, mpu: MultipartUpload) -> None:
+    def _upload_journal(self, fd: int, plan: Plan, key: str, path: str, if_absent: bool,
+                        pre: FileDigest | None) -> Journal | None:
+        """The journal of this upload, loaded when an earlier run of it left one (None: ``resume`` is off)."""
+        if not self.config.resume:
+            return None
+        st = os.fstat(fd)
+        journal = Journal.for_upload(state_dir(self.config.state_dir), self.store.uri(key), path, {
+            "size": plan.size, "mtime_ns": st.st_mtime_ns, "part_size": plan.part_size, "if_absent": if_absent,
+            "digest": pre.digest if pre else None})
+        found = journal.load()
+        if found is not None and not journal.resumed and found.get("upload_id"):
+            journal.header["stale"] = found["upload_id"]  # the source changed: that upload is aborted
+        return journal
+
+    async def _resume(self, journal: Journal | None, key: str, plan: Plan, if_absent: bool
+                      ) -> MultipartUpload | None:
+        """The upload an earlier, killed run of this transfer left open, if the store still has it."""
+        if journal is None:
+            return None
+        stale = journal.header.pop("stale", None)
+        if stale:
+            await self._abort_quietly(key, str(stale))
+        if not journal.resumed:
+            return None
+        upload_id = str(journal.header.get("upload_id", ""))
+        mpu = await self.store.resume_multipart(key, upload_id, plan.part_size, if_absent=if_absent)
+        if mpu is None:
+            journal.resumed = False
+        else:
+            log.info("resuming the upload of %s: %d of %d parts were stored", key, len(journal.parts), plan.count)
+        return mpu
+
+    async def _abort_quietly(self, key: str, upload_id: str) -> None:
+        try:
+            await self.store.abort_pending_upload(PendingUpload(key, upload_id))
+        except StoreError as exc:
+            log.warning("could not abort the stale upload of %s: %s", key, exc)
+
+    async def _abort(self, mpu: MultipartUpload, journal: Journal | None = None) -> None:
         """Abort ``mpu``; a failure is logged (gc finds the upload later), never raised over the cause."""
+        if journal is not None:
+            journal.remove()
         try:
             await mpu.abort()
         except Exception as exc:
             log.warning("could not abort the multipart upload of %s: %s", mpu.key, exc)
 
-    async def _send_part(self, fd: int, plan: Plan, index: int, mpu: MultipartUpload) -> tuple[PartInfo, bytes]:
+    async def _send_part(self, fd: int, plan: Plan, index: int, mpu: MultipartUpload,
+                         journal: Journal | None) -> tuple[PartInfo, bytes]:
         offset, length = plan.part(index)
         async with self.pool.buffer(length) as buf:
             digest = await off_loop(read_and_hash, fd, offset, buf)
-            info = await mpu.put_part(index, buf)
+            done = journal.parts.get(index) if journal is not None and journal.resumed else None
+            info = None
+            if done is not None and done.get("digest") == digest.hex():
+                info = await mpu.stored_part(index, length, done.get("token", ""), digest.hex())
+            if info is None:
+                info = await mpu.put_part(index, buf)
+                if journal is not None:
+                    journal.record(index, token=info.token, digest=digest.hex())
         self.progress.advance(length)
         return info, digest
 
@@ -184,13 +247,12 @@ class Transfer:
             if os.path.isdir(path):
                 raise IsADirectoryError(f"destination {path} is a directory")
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
-                               f".{os.path.basename(path)}.{secrets.token_hex(6)}.fastckpt-part")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            chunk = expected.chunk_size if expected else plan.part_size
+            tmp, fd, journal = self._partial(key, path, meta, expected, plan, chunk)
             try:
                 try:
-                    chunk = expected.chunk_size if expected else plan.part_size
-                    parts = await gather_all(self._fetch_part(key, fd, plan, i, chunk) for i in range(plan.count))
+                    parts = await gather_all(self._fetch_part(key, fd, plan, i, chunk, journal)
+                                             for i in range(plan.count))
                     digests = [d for part in parts for d in part]
                     if expected is not None:
                         expected.check(digests, f"{key} (downloaded to {path})")
@@ -200,6 +262,11 @@ class Transfer:
                     os.close(fd)
                 os.replace(tmp, path)
             except BaseException as exc:
+                if journal is not None and isinstance(exc, asyncio.CancelledError) and not cancelled_by_failure(exc):
+                    journal.close()  # interrupted: kept, the same download run again continues from the journal
+                    raise
+                if journal is not None:
+                    journal.remove()
                 try:
                     os.unlink(tmp)
                 except FileNotFoundError:
@@ -207,15 +274,56 @@ class Transfer:
                 if isinstance(exc, OSError) and exc.errno and not exc.filename and not isinstance(exc, StoreError):
                     raise OSError(exc.errno, f"{exc.strerror} (downloading {key})", path) from exc  # e.g. ENOSPC
                 raise
+            if journal is not None:
+                journal.remove()
         return FileResult(key, path, FileDigest(meta.size, chunk, combine(digests)))
 
-    async def _fetch_part(self, key: str, fd: int, plan: Plan, index: int, chunk: int) -> list[bytes]:
+    def _partial(self, key: str, path: str, meta: ObjectMeta, expected: FileDigest | None, plan: Plan,
+                 chunk: int) -> tuple[str, int, Journal | None]:
+        """The hidden partial file a download of ``key`` to ``path`` writes (open, locked) and, for a
+        multipart download with ``resume`` on, its journal (loaded when a killed run left one).
+
+        The partial file's name is fixed, so a rerun finds it (a concurrent download to the same path,
+        holding its lock, makes this one use a name of its own, without resume)."""
+        tmp, journal_path = partial_paths(path)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            tmp = f"{tmp[: -len(PARTIAL)]}.{secrets.token_hex(6)}{PARTIAL}"
+            return tmp, os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), None
+        journal = None
+        if self.config.resume and plan.count > 1:
+            journal = Journal(journal_path, {"uri": self.store.uri(key), "size": meta.size, "etag": meta.etag,
+                                             "mtime": meta.mtime, "digest": expected.digest if expected else None,
+                                             "chunk": chunk, "part_size": plan.part_size})
+            journal.load()
+            if journal.resumed:
+                log.info("resuming the download of %s to %s: %d of %d parts are in", key, path,
+                         len(journal.parts), plan.count)
+            else:
+                journal.start()
+        if journal is None or not journal.resumed:
+            os.ftruncate(fd, 0)
+        return tmp, fd, journal
+
+    async def _fetch_part(self, key: str, fd: int, plan: Plan, index: int, chunk: int,
+                          journal: Journal | None) -> list[bytes]:
         offset, length = plan.part(index)
         async with self.pool.buffer(length) as buf:
+            done = journal.parts.get(index) if journal is not None and journal.resumed else None
+            if done is not None:  # in the partial file already: kept when it still hashes the same
+                digests = await off_loop(_read_and_hash_chunks, fd, offset, buf, chunk)
+                if ",".join(d.hex() for d in digests) == done.get("digests"):
+                    self.progress.advance(length)
+                    return digests
             n = await self.store.read_into(key, offset, buf)
             if n != length:
                 raise StoreError(f"{key}: object shrank during download (got {n} of {length} bytes at {offset})")
             digests = await off_loop(_hash_and_write, fd, offset, buf, chunk)
+            if journal is not None:
+                journal.record(index, digests=",".join(d.hex() for d in digests))
         self.progress.advance(length)
         return digests
 
@@ -267,3 +375,12 @@ def _hash_and_write(fd: int, offset: int, buf: memoryview, chunk: int) -> list[b
     digests = hash_chunks(buf, chunk)
     write_at(fd, offset, buf)
     return digests
+
+
+def _read_and_hash_chunks(fd: int, offset: int, buf: memoryview, chunk: int) -> list[bytes]:
+    """Read ``len(buf)`` bytes of ``fd`` at ``offset`` into ``buf``; their chunk digests ([] if short)."""
+    try:
+        read_exact(fd, offset, buf)
+    except EOFError:
+        return []
+    return hash_chunks(buf, chunk)

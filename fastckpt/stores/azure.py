@@ -388,6 +388,25 @@ class AzureStore(Store):
     ) -> MultipartUpload:
         return AzureUpload(self, key, dict(metadata or {}), if_absent)
 
+    async def resume_multipart(self, key: str, upload_id: str, part_size: int, *,
+                               if_absent: bool = False) -> MultipartUpload | None:
+        """The blob's uncommitted blocks of this upload (their ids start with the upload id)."""
+        if not re.fullmatch(r"[0-9a-f]{18}", upload_id):
+            return None
+        upload = AzureUpload(self, key, {}, if_absent, upload_id)
+        try:
+            _, uncommitted = await self._blob(key).get_block_list("uncommitted")
+        except Exception as exc:
+            error = self._error(exc, key)
+            if type(error) is ObjectNotFoundError:
+                return upload
+            raise error from exc
+        for block in uncommitted:
+            index = block.id[len(upload_id):]
+            if block.id.startswith(upload_id) and index.isdigit():
+                upload.stored[int(index)] = PartInfo(int(index), block.size, block.id)
+        return upload
+
     async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         """Blobs that have staged (uncommitted) blocks and no committed version.
 
@@ -446,9 +465,11 @@ def _redact(text: str) -> str:
 class AzureUpload(MultipartUpload):
     """Blocks staged with fixed-length ids (upload id + 6-digit index), committed in index order."""
 
-    def __init__(self, store: AzureStore, key: str, metadata: dict[str, str], if_absent: bool) -> None:
+    def __init__(self, store: AzureStore, key: str, metadata: dict[str, str], if_absent: bool,
+                 upload_id: str | None = None) -> None:
         self.key, self._store, self._metadata, self._if_absent = key, store, metadata, if_absent
-        self.upload_id = secrets.token_hex(9)
+        self.upload_id = upload_id or secrets.token_hex(9)
+        self.stored: dict[int, PartInfo] = {}
         self._closed = False
         self._discarded = False
 

@@ -87,6 +87,13 @@ class MultipartUpload(abc.ABC):
     async def abort(self) -> None:
         """Discard the upload and its parts. Safe to call more than once."""
 
+    async def stored_part(self, index: int, size: int, token: str, digest: str) -> PartInfo | None:
+        """Part ``index`` as already stored by an earlier process (``Store.resume_multipart``), when it is
+        ``size`` bytes and is what that process recorded: the same ``token`` (an S3 ETag, a block id ...), or,
+        where the backend reads it back, the same XXH3 hex ``digest``. None: the part must be sent again."""
+        part = getattr(self, "stored", {}).get(index)
+        return part if part is not None and part.size == size and part.token == token else None
+
 
 class Store(abc.ABC):
     """An object store. Create with the backend's constructor, use inside the event loop that will
@@ -227,6 +234,13 @@ class Store(abc.ABC):
         With ``if_absent``, ``complete`` raises AlreadyExistsError (and stores nothing) when ``key``
         exists by then: the object is created atomically only if absent, as ``put(if_absent=True)``.
         """
+
+    async def resume_multipart(self, key: str, upload_id: str, part_size: int, *,
+                               if_absent: bool = False) -> MultipartUpload | None:
+        """Reopen upload ``upload_id`` of ``key``, started by ``create_multipart`` (e.g. in a process that
+        was killed), with what it already holds (see ``MultipartUpload.stored_part``); None when it is gone
+        or the backend cannot resume."""
+        return None
 
     async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         """Multipart uploads under ``prefix`` never completed or aborted (for gc)."""

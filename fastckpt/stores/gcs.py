@@ -123,8 +123,9 @@ class _HTTPStatus(Exception):
 class GCSUpload(MultipartUpload):
     """A parallel composite upload: parts are temporary objects composed on ``complete``."""
 
-    def __init__(self, store: GCSStore, key: str, metadata: dict[str, str], if_absent: bool) -> None:
-        self.key, self.upload_id = key, secrets.token_hex(8)
+    def __init__(self, store: GCSStore, key: str, metadata: dict[str, str], if_absent: bool,
+                 upload_id: str | None = None) -> None:
+        self.key, self.upload_id = key, upload_id or secrets.token_hex(8)
         self._store, self._metadata, self._if_absent = store, metadata, if_absent
         self.prefix = parts_prefix(key, self.upload_id)
         self._parts: dict[int, tuple[str, int]] = {}
@@ -132,6 +133,7 @@ class GCSUpload(MultipartUpload):
         cancelled attempt's late clean-up never deletes its successor."""
         self._cleanups: set[asyncio.Future[None]] = set()
         self._closed = False
+        self.stored: dict[int, PartInfo] = {}
 
     def _check_open(self) -> None:
         if self._closed:
@@ -406,6 +408,24 @@ class GCSStore(Store):
         self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
     ) -> MultipartUpload:
         return GCSUpload(self, key, dict(metadata or {}), if_absent)
+
+    async def resume_multipart(self, key: str, upload_id: str, part_size: int, *,
+                               if_absent: bool = False) -> MultipartUpload | None:
+        """The upload's temporary part objects, listed (a part stored twice keeps one copy)."""
+        if not re.fullmatch(r"[0-9a-f]{16}", upload_id):
+            return None
+        upload = GCSUpload(self, key, {}, if_absent, upload_id)
+        extra = []
+        async for page in self._pages(upload.prefix):
+            for meta in page.objects:
+                index = meta.key[len(upload.prefix):].split(".", 1)[0]
+                if not index.isdigit() or int(index) in upload.stored:
+                    extra.append(meta.key)
+                    continue
+                upload._parts[int(index)] = (meta.key, meta.size)
+                upload.stored[int(index)] = PartInfo(int(index), meta.size, meta.key)
+        await self.delete_quietly(extra)
+        return upload
 
     async def delete(self, key: str) -> None:
         try:

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 
 from ..config import TransferConfig
 from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError
-from ..integrity import read_exact, write_at
+from ..integrity import hash_chunks, read_exact, write_at
 from ..uri import StorageURI, check_options
-from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
+from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
 
 TMP_SUFFIX = ".fastckpt-part"
 _XATTR = "user.fastckpt."
@@ -83,12 +83,26 @@ def _publish(tmp: str, path: str, if_absent: bool) -> None:
 class LocalUpload(MultipartUpload):
     """Parts ``pwrite``-n into one temporary file at ``index * part_size``."""
 
-    def __init__(self, store: LocalStore, key: str, part_size: int, metadata: dict[str, str], if_absent: bool) -> None:
+    def __init__(self, store: LocalStore, key: str, part_size: int, metadata: dict[str, str], if_absent: bool,
+                 upload_id: str | None = None) -> None:
         self.key, self._store, self._part_size, self._metadata = key, store, part_size, metadata
         self._if_absent = if_absent
         self._path = store.path(key)
-        self.upload_id = _tmp_path(self._path)
-        self._fd: int | None = os.open(self.upload_id, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.upload_id = upload_id or _tmp_path(self._path)
+        flags = os.O_RDWR if upload_id else os.O_RDWR | os.O_CREAT | os.O_EXCL
+        self._fd: int | None = os.open(self.upload_id, flags, 0o644)
+
+    async def stored_part(self, index: int, size: int, token: str, digest: str) -> PartInfo | None:
+        """Read part ``index`` back from the partial file: kept when its XXH3 is ``digest``."""
+        fd = self._fd
+        if fd is None or not size:
+            return None
+
+        def check() -> bool:
+            data = os.pread(fd, size, index * self._part_size)
+            return len(data) == size and hash_chunks(data, size)[0].hex() == digest
+
+        return PartInfo(index, size) if await asyncio.to_thread(check) else None
 
     async def put_part(self, index: int, data: Buffer) -> PartInfo:
         fd = self._fd
@@ -290,14 +304,27 @@ class LocalStore(Store):
         except OSError as exc:
             raise _translate(exc, path) from exc
 
+    async def resume_multipart(self, key: str, upload_id: str, part_size: int, *,
+                               if_absent: bool = False) -> MultipartUpload | None:
+        """Reopen the partial file ``upload_id`` (hidden, beside the target) when it is still there."""
+        path = self.path(key)
+        head, name = os.path.split(upload_id)
+        if head != os.path.dirname(path) or not (_is_tmp(name) and name.startswith(f".{os.path.basename(path)}.")):
+            return None
+        try:
+            return LocalUpload(self, key, part_size, {}, if_absent, upload_id)
+        except FileNotFoundError:
+            return None
+
     async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         def scan() -> list[PendingUpload]:
             found = []
-            for dirpath, _dirs, files in os.walk(self.path(prefix)):
+            top = self.path(prefix)  # an upload of the object ``prefix`` itself lies beside it
+            for dirpath, _dirs, files in os.walk(top if os.path.isdir(top) else os.path.dirname(top)):
                 for name in files:
-                    if _is_tmp(name):
+                    target = os.path.join(dirpath, name[1:].rsplit(".", 2)[0])
+                    if _is_tmp(name) and in_prefix(self.key(target), prefix):
                         tmp = os.path.join(dirpath, name)
-                        target = os.path.join(dirpath, name[1:].rsplit(".", 2)[0])
                         try:
                             found.append(PendingUpload(self.key(target), tmp, os.stat(tmp).st_mtime))
                         except FileNotFoundError:

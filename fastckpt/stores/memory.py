@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ..config import TransferConfig
 from ..errors import AlreadyExistsError, ObjectNotFoundError, StoreError
+from ..integrity import hash_chunks
 from ..uri import StorageURI, check_options
 from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
 
@@ -54,6 +55,12 @@ class MemoryUpload(MultipartUpload):
             raise StoreError(f"multipart upload of {self.key!r} is no longer active")
         self._parts[index] = bytes(data)
         return PartInfo(index, len(data))
+
+    async def stored_part(self, index: int, size: int, token: str, digest: str) -> PartInfo | None:
+        data = self._parts.get(index)
+        if data is None or len(data) != size or not size or hash_chunks(data, size)[0].hex() != digest:
+            return None
+        return PartInfo(index, size)
 
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
         if self.upload_id not in self._bucket.pending:
@@ -117,6 +124,11 @@ class MemoryStore(Store):
         self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
     ) -> MultipartUpload:
         return MemoryUpload(self._b, key, part_size, dict(metadata or {}), if_absent)
+
+    async def resume_multipart(self, key: str, upload_id: str, part_size: int, *,
+                               if_absent: bool = False) -> MultipartUpload | None:
+        upload = self._b.pending.get(upload_id)
+        return upload if upload is not None and upload.key == key else None
 
     async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         return [PendingUpload(u.key, u.upload_id, u.started) for u in self._b.pending.values()

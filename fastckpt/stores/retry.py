@@ -182,6 +182,12 @@ class RetryingStore(Store):
             key, part_size, metadata, if_absent=if_absent))
         return _RetryingUpload(self, upload)
 
+    async def resume_multipart(self, key: str, upload_id: str, part_size: int, *,
+                               if_absent: bool = False) -> MultipartUpload | None:
+        upload = await self._retry(f"resume of upload of {key}", lambda: self.inner.resume_multipart(
+            key, upload_id, part_size, if_absent=if_absent))
+        return None if upload is None else _RetryingUpload(self, upload)
+
     async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         return await self._retry(f"listing of uploads below {prefix}", lambda: self.inner.list_pending_uploads(prefix))
 
@@ -203,6 +209,10 @@ class _RetryingUpload(MultipartUpload):
 
     async def abort(self) -> None:
         await self._store._retry(f"abort of upload of {self.key}", self._inner.abort)
+
+    async def stored_part(self, index: int, size: int, token: str, digest: str) -> PartInfo | None:
+        return await self._store._retry(f"check of stored part {index} of {self.key}",
+                                        lambda: self._inner.stored_part(index, size, token, digest))
 
 
 def retrying(store: Store, config: TransferConfig) -> Store:

@@ -197,6 +197,7 @@ class S3Upload(MultipartUpload):
         self._store, self._if_absent = store, if_absent
         self._finished = False
         self._complete_sent = False
+        self.stored: dict[int, PartInfo] = {}
 
     async def put_part(self, index: int, data: Buffer) -> PartInfo:
         if self._finished:
@@ -527,6 +528,23 @@ class S3Store(Store):
     ) -> MultipartUpload:
         resp = await self.call("create_multipart_upload", key, Key=key, Metadata=dict(metadata or {}))
         return S3Upload(self, key, resp["UploadId"], if_absent)
+
+    async def resume_multipart(self, key: str, upload_id: str, part_size: int, *,
+                               if_absent: bool = False) -> MultipartUpload | None:
+        """The open upload and its parts, from ListParts."""
+        upload = S3Upload(self, key, upload_id, if_absent)
+        params: dict[str, Any] = {"Key": key, "UploadId": upload_id, "MaxParts": 1000}
+        try:
+            while True:
+                page = await self.call("list_parts", key, **params)
+                for p in page.get("Parts", []):
+                    index = int(p["PartNumber"]) - 1
+                    upload.stored[index] = PartInfo(index, int(p["Size"]), p["ETag"])
+                if not page.get("IsTruncated"):
+                    return upload
+                params["PartNumberMarker"] = page["NextPartNumberMarker"]
+        except (_NoSuchUpload, ObjectNotFoundError):
+            return None
 
     async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         prefix = prefix.strip("/")
