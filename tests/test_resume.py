@@ -47,11 +47,16 @@ class HangAfter(FaultInjectingStore):
                 await asyncio.sleep(3600)
 
 async def main(direction, uri, key, path):
-    transfer = Transfer(HangAfter(open_store(uri, retry=False)), small_config(max_in_flight={IN_FLIGHT}))
-    if direction == "up":
-        await transfer.upload_file(path, key)
+    store, config = HangAfter(open_store(uri, retry=False)), small_config(max_in_flight={IN_FLIGHT})
+    if direction == "checkpoint":  # one small file, then the big one (which hangs)
+        from fastckpt import CheckpointWriter
+        async with CheckpointWriter(uri, attempt="a1", store=store, config=config) as writer:
+            await writer.put_file(path + ".small", "small.json")
+            await writer.put_file(path, "model.bin")
+    elif direction == "up":
+        await Transfer(store, config).upload_file(path, key)
     else:
-        await transfer.download_file(key, path)
+        await Transfer(store, config).download_file(key, path)
 
 asyncio.run(main(*sys.argv[1:]))
 """
@@ -82,6 +87,14 @@ async def counted(uri: str, direction: str, key: str, path: Path) -> int:
         transfer.close()
         await counter.close()
     return counter.calls
+
+
+class DataWrites(FaultInjectingStore):
+    """Counts the writes of data files (not of the checkpoint's own metadata)."""
+
+    async def fault(self, op: str, key: str) -> None:
+        if op in ("put", "put_part") and "/.fastckpt/" not in f"/{key}":
+            self.calls += 1
 
 
 def flip_first_byte(path: Path) -> None:
@@ -160,3 +173,25 @@ async def test_gc_of_the_prefix_removes_what_a_killed_upload_left(store_uri: str
     prefix = f"{base}/" + (f"?{query}" if query else "")
     assert await asyncio.to_thread(cli_main, ["gc", prefix, "--older-than", "0", "--json"]) == 0
     assert await pending(store_uri, key) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_killed_checkpoint_attempt_reuses_what_it_wrote(store_uri: str, tmp_path: Path, backend: str) -> None:
+    """The same rank and attempt, run again after a SIGKILL: the finished file is not sent again, the
+    interrupted one continues, and the checkpoint commits and verifies."""
+    import fastckpt
+
+    src, _ = sample(store_uri, tmp_path)
+    (tmp_path / "model.bin.small").write_bytes(b'{"step": 100}')
+    base, _, query = store_uri.partition("?")
+    uri = f"{base}/step-100" + (f"?{query}" if query else "")
+    kill_midway("checkpoint", uri, "", src)
+    counter = DataWrites(open_store(uri, retry=False))
+    async with fastckpt.CheckpointWriter(uri, attempt="a1", store=counter,
+                                         config=small_config(max_in_flight=IN_FLIGHT)) as writer:
+        await writer.put_file(tmp_path / "model.bin.small", "small.json")
+        await writer.put_file(src, "model.bin")
+    print(f"{backend}: the rerun sent {counter.calls} data requests for {PARTS} parts + 1 small file")
+    assert counter.calls == PARTS - DONE  # the small file is re-used, the big one continues
+    report = await fastckpt.verify_async(uri, config=small_config())
+    assert report.ok and report.files == 2

@@ -186,23 +186,28 @@ class CheckpointWriter:
         raise CheckpointError(f"checkpoint {self.uri.raw} is already committed; refusing to write it again"
                               + (f" ({what} not written)" if what else ""))
 
-    async def _clear_leftovers(self, keys: list[str]) -> None:
-        """Delete objects under ``keys`` left by an uncommitted attempt; refuse if the checkpoint is committed.
-
-        The checkpoint's objects are listed once per writer, on its first write.
+    async def _clear_leftovers(self, pairs: list[tuple[str, str]]) -> dict[str, FileResult]:
+        """Objects at the keys of ``(path, key)`` ``pairs`` left by an uncommitted attempt: kept when one holds
+        exactly the local file (a rerun after a crash re-uses it; returned by key), deleted otherwise.
+        Refuses if the checkpoint is committed. The checkpoint's objects are listed once per writer.
         """
         store = self._rv.store
         if self._existing is None:
             meta = meta_prefix(self.uri.key) + "/"
             self._existing = {m.key async for m in store.list(self.uri.key) if not m.key.startswith(meta)}
-        found = [k for k in keys if k in self._existing]
+        found = [(p, k) for p, k in pairs if k in self._existing]
         if not found:
-            return
-        await self._refuse_committed(", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else ""))
-        log.info("rank %d: replacing %d file(s) of %s left by an uncommitted attempt", self.rank, len(found),
-                 self.uri.raw)
-        await store.delete_many(found)
-        self._existing.difference_update(found)
+            return {}
+        await self._refuse_committed(", ".join(k for _, k in found[:3])
+                                     + (f" and {len(found) - 3} more" if len(found) > 3 else ""))
+        held = [await self._active().holds_file(p, k) for p, k in found]
+        kept = {r.key: r for r in held if r is not None}
+        stale = [k for _, k in found if k not in kept]
+        log.info("rank %d: %d file(s) of %s left by an uncommitted attempt: %d re-used, %d replaced", self.rank,
+                 len(found), self.uri.raw, len(kept), len(stale))
+        await store.delete_many(stale)
+        self._existing.difference_update(k for _, k in found)
+        return kept
 
     async def _agree_attempt(self) -> str:
         if self.world_size == 1:
@@ -242,11 +247,11 @@ class CheckpointWriter:
         try:
             for _, name in pairs:
                 names.append(self._reserve(name))
-            keys = [self.uri.join(n) for n in names]
-            await self._clear_leftovers(keys)
+            todo = [(p, self.uri.join(n)) for (p, _), n in zip(pairs, names, strict=True)]
+            kept = await self._clear_leftovers(todo)
             try:
-                results = await transfer.upload_files([(p, k) for (p, _), k in zip(pairs, keys, strict=True)],
-                                                      if_absent=True)
+                sent = iter(await transfer.upload_files([pk for pk in todo if pk[1] not in kept], if_absent=True))
+                results = [kept[k] if k in kept else next(sent) for _, k in todo]
             except AlreadyExistsError as exc:
                 await self._refuse_committed()
                 raise CheckpointError(f"{exc}: created meanwhile by another writer of checkpoint {self.uri.raw} "

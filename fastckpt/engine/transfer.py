@@ -105,6 +105,24 @@ class Transfer:
         self.progress.advance(plan.size)
         return digest
 
+    async def holds_file(self, path: str, key: str) -> FileResult | None:
+        """The result of uploading ``path`` to ``key`` when ``key`` already holds exactly that file (its
+        recorded digest matches the file, hashed here): a rerun need not send it again. None otherwise."""
+        try:
+            meta = await self.store.head(key)
+        except ObjectNotFoundError:
+            return None
+        recorded = FileDigest.from_metadata(meta.size, meta.metadata)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            plan = plan_upload(os.fstat(fd).st_size, self.config, self.store)
+            if recorded is None or plan.size != meta.size or plan.part_size != recorded.chunk_size:
+                return None
+            digest = await self._hash_file(fd, plan)
+        finally:
+            os.close(fd)
+        return FileResult(key, path, digest) if digest == recorded else None
+
     async def _holds(self, key: str, digest: FileDigest) -> bool:
         """Whether ``key`` already holds an object recorded with ``digest`` (e.g. our own create-if-absent
         write, retried after its reply was lost)."""
