@@ -136,7 +136,9 @@ class Transfer:
         pre: FileDigest | None = None
         if self.config.digest_metadata and not self.store.metadata_on_complete:
             pre = await self._hash_file(fd, plan)
-        journal = self._upload_journal(fd, plan, key, path, if_absent, pre)
+        journal, stale = self._upload_journal(fd, plan, key, path, if_absent, pre)
+        if stale:  # left by an earlier run of this upload whose source has changed since
+            await self._abort_quietly(key, stale)
         mpu = await self._resume(journal, key, plan, if_absent)
         if mpu is None:
             mpu = await self.store.create_multipart(
@@ -168,28 +170,23 @@ class Transfer:
         return digest
 
     def _upload_journal(self, fd: int, plan: Plan, key: str, path: str, if_absent: bool,
-                        pre: FileDigest | None) -> Journal | None:
-        """The journal of this upload, loaded when an earlier run of it left one (None: ``resume`` is off)."""
+                        pre: FileDigest | None) -> tuple[Journal | None, str | None]:
+        """The journal of this upload, loaded when an earlier run of it left one (None: ``resume`` is off),
+        and the id of an upload left by an earlier run of it whose source differed (to abort)."""
         if not self.config.resume:
-            return None
+            return None, None
         st = os.fstat(fd)
         journal = Journal.for_upload(state_dir(self.config.state_dir), self.store.uri(key), path, {
             "size": plan.size, "mtime_ns": st.st_mtime_ns, "part_size": plan.part_size, "if_absent": if_absent,
             "digest": pre.digest if pre else None})
         found = journal.load()
-        if found is not None and not journal.resumed and found.get("upload_id"):
-            journal.header["stale"] = found["upload_id"]  # the source changed: that upload is aborted
-        return journal
+        stale = found.get("upload_id") if found is not None and not journal.resumed else None
+        return journal, str(stale) if stale else None
 
     async def _resume(self, journal: Journal | None, key: str, plan: Plan, if_absent: bool
                       ) -> MultipartUpload | None:
         """The upload an earlier, killed run of this transfer left open, if the store still has it."""
-        if journal is None:
-            return None
-        stale = journal.header.pop("stale", None)
-        if stale:
-            await self._abort_quietly(key, str(stale))
-        if not journal.resumed:
+        if journal is None or not journal.resumed:
             return None
         upload_id = str(journal.header.get("upload_id", ""))
         mpu = await self.store.resume_multipart(key, upload_id, plan.part_size, if_absent=if_absent)
@@ -311,6 +308,8 @@ class Transfer:
             os.close(fd)
             tmp = f"{tmp[: -len(PARTIAL)]}.{secrets.token_hex(6)}{PARTIAL}"
             return tmp, os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), None
+        except OSError:  # a filesystem without locks (some NFS mounts): go on unlocked
+            pass
         journal = None
         if self.config.resume and plan.count > 1:
             journal = Journal(journal_path, {"uri": self.store.uri(key), "size": meta.size, "etag": meta.etag,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -78,6 +79,9 @@ async def within_deadline(op: Callable[[], Awaitable[T]], config: TransferConfig
         return await op()
     limit = config.stall_timeout + size / config.min_rate
     try:
+        if sys.version_info >= (3, 11):  # no extra task per request
+            async with asyncio.timeout(limit):
+                return await op()
         return await asyncio.wait_for(op(), limit)
     except asyncio.TimeoutError as exc:
         raise TransientStoreError(f"{what}: stalled, not done after {limit:.0f} s ({size} bytes)") from exc
