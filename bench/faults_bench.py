@@ -83,8 +83,9 @@ async def timed(op: Callable[[], Awaitable[object]]) -> tuple[BaseException | No
 
 
 async def transfer_run(backend: str, upstream: str, proxy: FaultProxy, work: Path, direction: str,
-                       fault: Fault | None) -> tuple[bool | None, float, int]:
-    """Upload then download a 3.5-part file, ``fault`` on the ``direction`` leg; (ok, seconds, bytes lost)."""
+                       fault: Fault | None, times: int | None = 2) -> tuple[bool | None, float, int]:
+    """Upload then download a 3.5-part file, ``fault`` ``times`` on the ``direction`` leg (None: on every
+    connection); (ok, seconds, bytes lost)."""
     config = fastckpt.TransferConfig(**CONFIG)
     data = os.urandom(17 * MiB + 4321)
     src, out = work / "src.bin", work / "out.bin"
@@ -92,11 +93,12 @@ async def transfer_run(backend: str, upstream: str, proxy: FaultProxy, work: Pat
     out.unlink(missing_ok=True)
     prefix = f"soak-{os.urandom(4).hex()}"
     via, direct = uri_for(backend, proxy.url, prefix), uri_for(backend, upstream, prefix)
-    proxy.arm(fault if direction == "up" else None, times=2, skip=1 if fault and fault.kind == "refuse" else 0)
+    skip = 1 if fault and fault.kind == "refuse" else 0
+    proxy.arm(fault if direction == "up" else None, times=times, skip=skip)
     error, up_s = await timed(lambda: fastckpt.upload_async(src, below(via, "f"), config=config))
     if error is not None:
         return False, up_s, 0
-    proxy.arm(fault if direction == "down" else None, times=2, skip=1 if fault and fault.kind == "refuse" else 0)
+    proxy.arm(fault if direction == "down" else None, times=times, skip=skip)
     error, down_s = await timed(lambda: fastckpt.download_async(below(via if direction == "down" else direct, "f"),
                                                                 out, config=config))
     if error is not None:
@@ -150,9 +152,7 @@ async def soak(backends: dict[str, str], runs: int, rate: float, work: Path) -> 
                     row.add(*await transfer_run(backend, upstream, proxy, work, direction, fault))
                 rows.append(row)
             row = Row(f"{backend}: persistent reset (must fail)")
-            proxy.rule = lambda n: Fault("reset_request", after=0)
-            ok, seconds, lost = await transfer_run(backend, upstream, proxy, work, "up", None)
-            row.add(ok, seconds, lost)
+            row.add(*await transfer_run(backend, upstream, proxy, work, "up", Fault("reset_request"), times=None))
             rows.append(row)
         if backend in ("s3", "azure"):
             with FaultProxy(urlsplit(upstream).port, random_faults(rate, seed=runs)) as proxy:

@@ -89,9 +89,10 @@ class FaultProxy:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
-    def arm(self, fault: Fault | None, times: int = 1, skip: int = 0) -> None:
-        """Apply ``fault`` ``times`` times, to connections opened after the next ``skip``: a byte-triggered
-        fault goes to the first connections whose traffic gets that far (``arm(None)``: no faults)."""
+    def arm(self, fault: Fault | None, times: int | None = 1, skip: int = 0) -> None:
+        """Apply ``fault`` ``times`` times (None: every time), to connections opened after the next ``skip``:
+        a byte-triggered fault goes to the first connections whose traffic gets that far (``arm(None)``:
+        no faults)."""
         self._budget = times
         skipped = [skip]
 
@@ -99,7 +100,7 @@ class FaultProxy:
             if skipped[0] > 0:
                 skipped[0] -= 1
                 return None
-            return fault if self._budget > 0 else None
+            return fault if self._budget is None or self._budget > 0 else None
 
         self.rule = rule
 

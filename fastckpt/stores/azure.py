@@ -336,6 +336,9 @@ class AzureStore(Store):
         except Exception as exc:
             body.close()
             raise self._error(exc, key) from exc
+        except BaseException:  # cancelled (a deadline, an interrupt): the connection is not reusable
+            body.close()
+            raise
         return pos
 
     async def put(
