@@ -7,7 +7,7 @@ import posixpath
 
 from ._loop import run_sync
 from .config import TransferConfig
-from .engine.io import local_files, path_below
+from .engine.io import local_files, paths_below
 from .engine.progress import ProgressCallback
 from .engine.transfer import FileResult, Transfer
 from .errors import ObjectNotFoundError
@@ -77,7 +77,8 @@ async def download_async(
                 return await transfer.download_files([(source.key, path)])
             if os.path.isfile(dst):
                 raise NotADirectoryError(f"destination {dst} is a file, but {source.raw} is a directory")
-            pairs = [(key, path_below(dst, rel)) for key, rel in await transfer.keys_below(source.key)]
+            found = await transfer.keys_below(source.key)
+            pairs = list(zip([k for k, _ in found], paths_below(dst, [rel for _, rel in found]), strict=True))
             return await transfer.download_files(pairs)
         finally:
             transfer.close()

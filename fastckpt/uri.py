@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import os
 import re
 from collections import Counter
@@ -114,6 +113,8 @@ def check_options(uri: StorageURI, known: frozenset[str]) -> dict[str, str]:
 @functools.cache
 def plugin_schemes() -> frozenset[str]:
     """URI schemes that installed third-party backends register (entry-point group ``ENTRY_POINTS``)."""
+    import importlib.metadata  # only for schemes fastckpt does not know (it costs ~20 ms to import)
+
     return frozenset(ep.name.lower() for ep in importlib.metadata.entry_points(group=ENTRY_POINTS)
                      if ep.name.lower() not in BACKEND_OF_SCHEME)
 

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from .._loop import run_sync
 from ..config import TransferConfig
-from ..engine.io import path_below
+from ..engine.io import paths_below
 from ..engine.progress import ProgressCallback
 from ..engine.tasks import gather_bounded
 from ..engine.transfer import FileResult, Transfer
@@ -298,7 +298,8 @@ async def download_checkpoint_async(
         if ckpt.problems:
             raise CheckpointError(f"checkpoint {base.raw} is corrupt: "
                                   + "; ".join(f"{p.name}: {p.reason}" for p in ckpt.problems))
-        pairs = [(ckpt.file_key(n), path_below(dst, n)) for n in sorted(ckpt.files)]
+        names = sorted(ckpt.files)
+        pairs = list(zip([ckpt.file_key(n) for n in names], paths_below(dst, names), strict=True))
         expected = {ckpt.file_key(n): d for n, d in ckpt.files.items() if d is not None}
         transfer = Transfer(store, cfg, progress)
         try:

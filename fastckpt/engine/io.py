@@ -77,17 +77,24 @@ def local_files(src: str) -> list[tuple[str, str]]:
     return out
 
 
-def path_below(root: str, rel: str) -> str:
-    """The local path of the '/'-separated name ``rel`` below directory ``root`` (a download target).
+def paths_below(root: str, rels: list[str]) -> list[str]:
+    """The local paths of the '/'-separated names ``rels`` below directory ``root`` (download targets).
 
-    ``rel`` comes from storage, so it is untrusted: ValueError when it has an empty, '.' or '..' part, a
-    NUL, or when the path would land outside ``root`` through a symlinked directory already there.
+    The names come from storage, so they are untrusted: ValueError when one has an empty, '.' or '..'
+    part or a NUL, or would land outside ``root`` through a symlinked directory already there.
     """
-    parts = rel.split("/")
-    if any(p in ("", ".", "..") or "\0" in p for p in parts):
-        raise ValueError(f"refusing unsafe object name {rel!r} (below {root})")
-    path = os.path.join(root, *parts)
     real_root = os.path.realpath(root)
-    if os.path.commonpath([real_root, os.path.realpath(os.path.dirname(path))]) != real_root:
-        raise ValueError(f"refusing to write {rel!r}: {os.path.dirname(path)} leads outside {root} (a symlink)")
-    return path
+    inside: dict[str, bool] = {}  # parent directory -> whether it resolves below root (one check per directory)
+    out = []
+    for rel in rels:
+        parts = rel.split("/")
+        if any(p in ("", ".", "..") or "\0" in p for p in parts):
+            raise ValueError(f"refusing unsafe object name {rel!r} (below {root})")
+        path = os.path.join(root, *parts)
+        parent = os.path.dirname(path)
+        if parent not in inside:
+            inside[parent] = os.path.commonpath([real_root, os.path.realpath(parent)]) == real_root
+        if not inside[parent]:
+            raise ValueError(f"refusing to write {rel!r}: {parent} leads outside {root} (a symlink)")
+        out.append(path)
+    return out

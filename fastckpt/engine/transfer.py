@@ -81,8 +81,9 @@ class Transfer:
                 raise IsADirectoryError(f"source {path} is a directory; upload it as a directory") from None
             try:
                 plan = plan_upload(os.fstat(fd).st_size, self.config, self.store)
-                log.debug("upload %s -> %s: %d bytes, %d part(s) of %d", path, self.store.uri(key), plan.size,
-                          plan.count, plan.part_size)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("upload %s -> %s: %d bytes, %d part(s) of %d", path, self.store.uri(key), plan.size,
+                              plan.count, plan.part_size)
                 if plan.multipart:
                     digest = await self._upload_multipart(fd, plan, key, path, if_absent)
                 else:
@@ -256,8 +257,9 @@ class Transfer:
             if expected is not None and expected.size != meta.size:
                 raise IntegrityError(f"{key}: size is {meta.size}, its record says {expected.size}")
             plan = plan_download(meta.size, expected.chunk_size if expected else None, self.config)
-            log.debug("download %s -> %s: %d bytes, %d part(s) of %d", self.store.uri(key), path, plan.size,
-                      plan.count, plan.part_size)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("download %s -> %s: %d bytes, %d part(s) of %d", self.store.uri(key), path, plan.size,
+                          plan.count, plan.part_size)
             self.progress.expect(meta.size)
             if os.path.isdir(path):
                 raise IsADirectoryError(f"destination {path} is a directory")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 
 from ..config import TransferConfig
 from ..uri import ENTRY_POINTS, StorageURI, parse_uri, plugin_schemes
@@ -25,6 +24,8 @@ def _factory_target(backend: str) -> tuple[str, str] | None:
     if backend in _FACTORIES:
         module, _, func = _FACTORIES[backend].partition(":")
         return module, func
+    import importlib.metadata  # only for plug-ins (it costs ~20 ms to import)
+
     for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
         if ep.name.lower() == backend:
             module, _, func = ep.value.partition(":")
