@@ -5,7 +5,8 @@
 Starts moto (S3), fake-gcs-server (GCS) and Azurite (Azure) on 127.0.0.1, each behind a fault proxy, and
 prints one row per scenario: runs, completed and verified, failed cleanly, bytes lost or corrupted (a
 transfer that "succeeded" with wrong bytes, or a committed checkpoint that does not verify: must be 0),
-the longest time to finish or fail, and bytes re-sent after a resume (transfers do not resume yet: "-").
+the longest time to finish or fail, and for a SIGKILLed upload run again, the most bytes it sent twice
+(at most the parts that were in flight at the kill).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import asyncio
 import json
 import os
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -24,9 +27,9 @@ from urllib.parse import urlsplit
 
 import fastckpt
 from fastckpt import CheckpointError, StoreError
-from fastckpt.stores.azure import EMULATOR_ACCOUNT
 from harness import azure, gcs, s3
 from harness.proxy import Fault, FaultProxy
+from harness.uris import emulator_uri
 
 MiB = 1 << 20
 CONFIG = dict(part_size=5 * MiB, multipart_threshold=5 * MiB, max_in_flight=4, retries=4, retry_for=0,
@@ -50,22 +53,18 @@ class Row:
     failed_cleanly: int = 0
     bytes_lost: int = 0
     max_seconds: float = 0.0
+    resent: int | None = None
+    """Most bytes a resumed run sent twice (None: no resume in this scenario)."""
 
-    def add(self, ok: bool | None, seconds: float, lost: int = 0) -> None:
+    def add(self, ok: bool | None, seconds: float, lost: int = 0, resent: int | None = None) -> None:
         """``ok``: True completed and verified, False failed cleanly, None completed with wrong bytes."""
+        if resent is not None:
+            self.resent = max(self.resent or 0, resent)
         self.runs += 1
         self.verified += ok is True
         self.failed_cleanly += ok is False
         self.bytes_lost += lost
         self.max_seconds = max(self.max_seconds, seconds)
-
-
-def uri_for(backend: str, endpoint: str, prefix: str) -> str:
-    if backend == "s3":
-        return f"s3://{s3.BUCKET}/{prefix}?endpoint_override={endpoint}"
-    if backend == "gcs":
-        return f"gs://{gcs.BUCKET}/{prefix}?endpoint_override={endpoint}"
-    return f"az://{azure.CONTAINER}/{prefix}?account={EMULATOR_ACCOUNT}&endpoint_override={endpoint}"
 
 
 def below(uri: str, name: str) -> str:
@@ -92,7 +91,7 @@ async def transfer_run(backend: str, upstream: str, proxy: FaultProxy, work: Pat
     src.write_bytes(data)
     out.unlink(missing_ok=True)
     prefix = f"soak-{os.urandom(4).hex()}"
-    via, direct = uri_for(backend, proxy.url, prefix), uri_for(backend, upstream, prefix)
+    via, direct = emulator_uri(backend, proxy.url, prefix), emulator_uri(backend, upstream, prefix)
     skip = 1 if fault and fault.kind == "refuse" else 0
     proxy.arm(fault if direction == "up" else None, times=times, skip=skip)
     error, up_s = await timed(lambda: fastckpt.upload_async(src, below(via, "f"), config=config))
@@ -107,11 +106,48 @@ async def transfer_run(backend: str, upstream: str, proxy: FaultProxy, work: Pat
     return (True, up_s + down_s, 0) if got == data else (None, up_s + down_s, len(data))
 
 
+def kill_when_stalled(command: list[str], env: dict[str, str], proxy: FaultProxy) -> None:
+    """Run ``command`` until the proxy stalls it, then SIGKILL it."""
+    seen = proxy.triggered.count("stall")
+    child = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while proxy.triggered.count("stall") == seen and child.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    child.kill()
+    child.wait()
+
+
+async def killed_upload_run(backend: str, upstream: str, proxy: FaultProxy, work: Path
+                            ) -> tuple[bool | None, float, int, int]:
+    """``fastckpt cp`` of 8 parts (2 in flight) SIGKILLed once ~4 parts went up, then run again: (ok,
+    seconds of the rerun, bytes lost, bytes sent beyond the file's size by the two runs together)."""
+    size = 40 * MiB - 1000
+    src = work / "killed.bin"
+    src.write_bytes(os.urandom(size))
+    state = work / f"state-{os.urandom(4).hex()}"
+    env = {**os.environ, "FASTCKPT_STATE_DIR": str(state), "FASTCKPT_MULTIPART_THRESHOLD": "5MiB"}
+    via = below(emulator_uri(backend, proxy.url, f"soak-{os.urandom(4).hex()}"), "f")
+    command = [sys.executable, "-m", "fastckpt.cli", "cp", str(src), via, "--part-size", "5MiB", "--concurrency", "2"]
+    start = proxy.moved["up"]
+    proxy.arm(Fault("stall", after=start + 22 * MiB, seconds=600, across=True), times=None)
+    await asyncio.to_thread(kill_when_stalled, command, env, proxy)
+    proxy.arm(None)
+    started = time.monotonic()
+    rerun = await asyncio.to_thread(subprocess.run, command, env=env, capture_output=True)
+    seconds, sent = time.monotonic() - started, proxy.moved["up"] - start  # both runs, headers included
+    if rerun.returncode:
+        return False, seconds, 0, 0
+    out = work / "killed.out"
+    await fastckpt.download_async(via, out, config=fastckpt.TransferConfig(**CONFIG))
+    same = out.read_bytes() == src.read_bytes()
+    return (True if same else None), seconds, 0 if same else size, max(0, sent - size)
+
+
 async def checkpoint_run(backend: str, upstream: str, proxy: FaultProxy, work: Path) -> tuple[bool | None, float, int]:
     """4 ranks, each a 6 MiB file and a small one, through the faulty proxy; then list + verify directly."""
     config = fastckpt.TransferConfig(**CONFIG)
     prefix = f"soak-{os.urandom(4).hex()}"
-    via, direct = uri_for(backend, proxy.url, prefix), uri_for(backend, upstream, prefix)
+    via, direct = emulator_uri(backend, proxy.url, prefix), emulator_uri(backend, upstream, prefix)
     barrier = fastckpt.InProcessBarrier(timeout=60)
     sizes = 0
 
@@ -151,6 +187,10 @@ async def soak(backends: dict[str, str], runs: int, rate: float, work: Path) -> 
                 for _ in range(max(1, runs // 4)):
                     row.add(*await transfer_run(backend, upstream, proxy, work, direction, fault))
                 rows.append(row)
+            row = Row(f"{backend}: SIGKILL mid-upload, same command again (2 parts in flight)")
+            for _ in range(3):
+                row.add(*await killed_upload_run(backend, upstream, proxy, work))
+            rows.append(row)
             row = Row(f"{backend}: persistent reset (must fail)")
             row.add(*await transfer_run(backend, upstream, proxy, work, "up", Fault("reset_request"), times=None))
             rows.append(row)
@@ -188,8 +228,9 @@ def main() -> None:
     print("| scenario | runs | completed + verified | failed cleanly | bytes lost or corrupted | max s "
           "| bytes re-sent after resume |\n|---|---|---|---|---|---|---|")
     for r in rows:
+        resent = "-" if r.resent is None else f"{r.resent / MiB:.1f} MiB (parts of 5 MiB)"
         print(f"| {r.scenario} | {r.runs} | {r.verified} | {r.failed_cleanly} | {r.bytes_lost} | "
-              f"{r.max_seconds:.1f} | - |")
+              f"{r.max_seconds:.1f} | {resent} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps([asdict(r) for r in rows], indent=1))
 

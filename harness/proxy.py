@@ -66,7 +66,8 @@ class FaultProxy:
         self.triggered: list[str] = []
         """Kinds of the faults that took effect so far, in order."""
         self._count = itertools.count()
-        self._moved = {"up": 0, "down": 0}
+        self.moved = {"up": 0, "down": 0}
+        """Bytes passed so far, client to server ("up") and back ("down"), over all connections."""
         self._budget: int | None = None
         self._down_until = 0.0
         self._live: set[asyncio.StreamWriter] = set()
@@ -175,8 +176,8 @@ class FaultProxy:
                         dst.write_eof()
                     return
                 if fault is not None and fault.across:
-                    moved = self._moved[direction]
-                self._moved[direction] += len(data)
+                    moved = self.moved[direction]
+                self.moved[direction] += len(data)
                 if fault is not None and moved + len(data) > fault.after and not self._take():
                     fault = None
                 if fault is not None and moved + len(data) > fault.after:

@@ -15,9 +15,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
-from fastckpt.stores.azure import EMULATOR_ACCOUNT
-
 from . import azure, gcs, s3
+from .uris import emulator_uri
 
 SIZE = 40 << 20
 """Bytes of the test file: several parts on every backend."""
@@ -38,7 +37,7 @@ def _moto() -> Iterator[tuple[str, dict[str, str | None]]]:
 def _fake_gcs() -> Iterator[tuple[str, dict[str, str | None]]]:
     server = gcs.start_fake_gcs()
     try:
-        yield f"gs://{gcs.BUCKET}/rt-{uuid.uuid4().hex[:8]}?endpoint_override={server.url}", {}
+        yield emulator_uri("gcs", server.url, f"rt-{uuid.uuid4().hex[:8]}"), {}
     finally:
         gcs.stop_fake_gcs(server)
 
@@ -48,8 +47,7 @@ def _azurite(workdir: str) -> Iterator[tuple[str, dict[str, str | None]]]:
     server = azure.start_azurite(workdir)
     try:
         server.create_container(azure.CONTAINER)
-        yield (f"az://{azure.CONTAINER}/rt-{uuid.uuid4().hex[:8]}?account={EMULATOR_ACCOUNT}"
-               f"&endpoint_override={server.endpoint}"), {}
+        yield emulator_uri("azure", server.endpoint, f"rt-{uuid.uuid4().hex[:8]}"), {}
     finally:
         azure.stop_azurite(server)
 

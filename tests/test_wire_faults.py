@@ -20,13 +20,11 @@ import pytest
 import fastckpt
 from fastckpt import StoreError, open_store, parse_uri
 from fastckpt.engine.plan import plan_upload
-from fastckpt.stores.azure import EMULATOR_ACCOUNT
 from harness.procs import free_port
 from harness.proxy import Fault, FaultProxy
+from harness.uris import emulator_uri
 
 from .conftest import small_config
-from .servers.azure import CONTAINER
-from .servers.gcs import BUCKET as GCS_BUCKET
 from .servers.s3 import BUCKET as S3_BUCKET
 
 pytestmark = pytest.mark.timeout(240)
@@ -42,12 +40,7 @@ def fault_config(**overrides: object) -> fastckpt.TransferConfig:
 
 def base_uri(backend: str, endpoint: str) -> str:
     """A fresh prefix on ``backend``'s emulator, reached at ``endpoint``."""
-    prefix = f"wire-{os.urandom(4).hex()}"
-    if backend == "s3":
-        return f"s3://{S3_BUCKET}/{prefix}?endpoint_override={endpoint}"
-    if backend == "gcs":
-        return f"gs://{GCS_BUCKET}/{prefix}?endpoint_override={endpoint}"
-    return f"az://{CONTAINER}/{prefix}?account={EMULATOR_ACCOUNT}&endpoint_override={endpoint}"
+    return emulator_uri(backend, endpoint, f"wire-{os.urandom(4).hex()}")
 
 
 def below(uri: str, name: str) -> str:
