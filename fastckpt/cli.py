@@ -230,7 +230,7 @@ def _setup_logging(args: argparse.Namespace) -> None:
 
 def _on_sigterm(signum: int, frame: object) -> None:
     """SIGTERM (what schedulers send before preemption) stops a command the way Ctrl-C does: the running
-    transfer is cancelled, so it aborts its uploads and removes its partial files, then the command exits."""
+    transfer is cancelled, keeping what it stored for a resume (nothing incomplete becomes visible)."""
     _stopped_by.append("SIGTERM")
     handler = signal.getsignal(signal.SIGINT)
     if callable(handler):  # asyncio.Runner's while a command runs: it cancels the main task
