@@ -128,7 +128,10 @@ class FaultProxy:
             server.close()
             for writer in list(self._live):
                 writer.transport.abort()
-            self._loop.run_until_complete(asyncio.sleep(0))
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self._loop.close()
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:

@@ -175,6 +175,30 @@ async def test_four_rank_checkpoint_under_random_faults(backend: str, request: p
         assert proxy.triggered
 
 
+CHECKPOINT_FAULTS = {"reset mid-body (up)": Fault("reset_request", after=256 << 10),
+                     "reset mid-body (down)": Fault("reset_response", after=200),
+                     "short body": Fault("truncate_response", after=100),
+                     "stall past the deadline": Fault("stall", after=256 << 10, seconds=6),
+                     "503 SlowDown": Fault("status"), "refused": Fault("refuse")}
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINT_FAULTS))
+@pytest.mark.parametrize("backend", ["s3", "azure"])
+async def test_four_rank_checkpoint_under_each_fault(backend: str, name: str, request: pytest.FixtureRequest,
+                                                     tmp_path: Path) -> None:
+    """Each fault, twice during a 4-rank checkpoint: it commits, and every file verifies."""
+    upstream = (request.getfixturevalue("moto_server").endpoint if backend == "s3"
+                else request.getfixturevalue("azurite").endpoint)
+    with FaultProxy(urlsplit(upstream).port) as proxy:
+        base = base_uri(backend, proxy.url)
+        proxy.arm(CHECKPOINT_FAULTS[name], times=2, skip=4 if name == "refused" else 0)
+        assert await write_checkpoint(below(base, "step-1"), tmp_path / "run") is None
+        assert proxy.triggered, "the fault never took effect"
+    direct = base.replace(proxy.url, upstream)
+    report = await fastckpt.verify_async(below(direct, "step-1"), config=fault_config())
+    assert report.ok and report.files == 8, report
+
+
 async def write_checkpoint(uri: str, work: Path) -> BaseException | None:
     """4 ranks, each writing a multi-part file and a small one; None when it committed."""
     barrier = fastckpt.InProcessBarrier(timeout=60)
