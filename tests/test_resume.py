@@ -17,9 +17,10 @@ import pytest
 
 from fastckpt import open_store, parse_uri
 from fastckpt.cli import main as cli_main
-from fastckpt.engine.journal import PARTIAL, state_dir
+from fastckpt.engine.journal import state_dir
 from fastckpt.engine.plan import plan_upload
 from fastckpt.engine.transfer import Transfer
+from fastckpt.stores.local import TMP_SUFFIX
 from harness.faults import FaultInjectingStore
 
 from .conftest import small_config
@@ -34,6 +35,7 @@ CHILD = f"""
 import asyncio, sys
 from fastckpt import open_store
 from fastckpt.engine.transfer import Transfer
+from fastckpt.stores.local import TMP_SUFFIX
 from harness.faults import FaultInjectingStore
 from tests.conftest import small_config
 
@@ -154,7 +156,7 @@ async def test_killed_download_resumes_and_rechecks_the_partial_file(store_uri: 
     out = tmp_path / "out" / "model.bin"
     kill_midway("down", store_uri, key, out)
     partials = sorted(p.name for p in out.parent.iterdir())
-    assert partials == [f".model.bin.dl{PARTIAL}", f".model.bin.journal{PARTIAL}"] and not out.exists()
+    assert partials == [f".model.bin.dl{TMP_SUFFIX}", f".model.bin.journal{TMP_SUFFIX}"] and not out.exists()
     flip_first_byte(out.parent / partials[0])  # damage the first stored part: it must be fetched again
     fetched = await counted(store_uri, "down", key, out)
     print(f"{backend}: resumed download fetched {fetched} of {PARTS} parts")

@@ -17,8 +17,7 @@ import json
 import os
 from collections.abc import Mapping
 
-PARTIAL = ".fastckpt-part"
-"""Suffix of hidden partial files (local stores list them as pending uploads, gc removes them)."""
+from ..stores.local import TMP_SUFFIX
 
 
 def state_dir(configured: str = "") -> str:
@@ -28,10 +27,10 @@ def state_dir(configured: str = "") -> str:
     return os.path.join(base, "uploads")
 
 
-def partial_paths(path: str) -> tuple[str, str]:
-    """(partial file, journal) of a download to ``path``: hidden, beside it."""
+def resumable_paths(path: str) -> tuple[str, str]:
+    """(partial file, journal) of a resumable download to ``path``: hidden, beside it, named the same on every run."""
     head, tail = os.path.split(os.path.abspath(path))
-    return os.path.join(head, f".{tail}.dl{PARTIAL}"), os.path.join(head, f".{tail}.journal{PARTIAL}")
+    return os.path.join(head, f".{tail}.dl{TMP_SUFFIX}"), os.path.join(head, f".{tail}.journal{TMP_SUFFIX}")
 
 
 class Journal:

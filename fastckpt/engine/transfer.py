@@ -6,16 +6,16 @@ import asyncio
 import fcntl
 import logging
 import os
-import secrets
 from dataclasses import dataclass
 
 from ..config import TransferConfig
 from ..errors import AlreadyExistsError, IntegrityError, ObjectNotFoundError, StoreError
 from ..integrity import FileDigest, combine, hash_chunks, read_and_hash, read_exact, write_at
 from ..stores.base import MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
+from ..stores.local import partial_path
 from ..stores.retry import retrying
 from .io import off_loop, start_io_threads
-from .journal import PARTIAL, Journal, partial_paths, state_dir
+from .journal import Journal, resumable_paths, state_dir
 from .plan import Plan, plan_download, plan_upload
 from .pool import BufferPool
 from .progress import Progress, ProgressCallback
@@ -302,13 +302,13 @@ class Transfer:
 
         The partial file's name is fixed, so a rerun finds it (a concurrent download to the same path,
         holding its lock, makes this one use a name of its own, without resume)."""
-        tmp, journal_path = partial_paths(path)
+        tmp, journal_path = resumable_paths(path)
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            tmp = f"{tmp[: -len(PARTIAL)]}.{secrets.token_hex(6)}{PARTIAL}"
+            tmp = partial_path(os.path.abspath(path))
             return tmp, os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), None
         except OSError:  # a filesystem without locks (some NFS mounts): go on unlocked
             pass

@@ -27,7 +27,8 @@ def _is_tmp(name: str) -> bool:
     return name.startswith(".") and name.endswith(TMP_SUFFIX)
 
 
-def _tmp_path(path: str) -> str:
+def partial_path(path: str) -> str:
+    """A hidden, uniquely named partial file beside ``path`` (listed as a pending upload, found by gc)."""
     head, tail = os.path.split(path)
     return os.path.join(head, f".{tail}.{secrets.token_hex(6)}{TMP_SUFFIX}")
 
@@ -88,7 +89,7 @@ class LocalUpload(MultipartUpload):
         self.key, self._store, self._part_size, self._metadata = key, store, part_size, metadata
         self._if_absent = if_absent
         self._path = store.path(key)
-        self.upload_id = upload_id or _tmp_path(self._path)
+        self.upload_id = upload_id or partial_path(self._path)
         flags = os.O_RDWR if upload_id else os.O_RDWR | os.O_CREAT | os.O_EXCL
         self._fd: int | None = os.open(self.upload_id, flags, 0o644)
 
@@ -219,7 +220,7 @@ class LocalStore(Store):
             if if_absent and os.path.lexists(path):
                 raise FileExistsError(errno.EEXIST, "exists", path)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = _tmp_path(path)
+            tmp = partial_path(path)
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 try:
@@ -322,8 +323,10 @@ class LocalStore(Store):
             top = self.path(prefix)  # an upload of the object ``prefix`` itself lies beside it
             for dirpath, _dirs, files in os.walk(top if os.path.isdir(top) else os.path.dirname(top)):
                 for name in files:
+                    if not _is_tmp(name):
+                        continue
                     target = os.path.join(dirpath, name[1:].rsplit(".", 2)[0])
-                    if _is_tmp(name) and in_prefix(self.key(target), prefix):
+                    if in_prefix(self.key(target), prefix):
                         tmp = os.path.join(dirpath, name)
                         try:
                             found.append(PendingUpload(self.key(target), tmp, os.stat(tmp).st_mtime))
