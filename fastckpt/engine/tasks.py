@@ -9,25 +9,21 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-SIBLING_FAILED = "fastckpt: cancelled because a sibling failed"
-"""The message of the CancelledError that ``gather_all`` cancels siblings with (``cancelled_by_failure``)."""
+async def gather_all(aws: Iterable[Awaitable[T]], failed: asyncio.Event | None = None) -> list[T]:
+    """Like ``asyncio.gather`` but on the first exception the others are cancelled and awaited.
 
-
-def cancelled_by_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is a cancellation because work beside it failed (not an interrupt from outside)."""
-    return isinstance(exc, asyncio.CancelledError) and SIBLING_FAILED in exc.args
-
-
-async def gather_all(aws: Iterable[Awaitable[T]]) -> list[T]:
-    """Like ``asyncio.gather`` but on the first exception the others are cancelled and awaited."""
+    ``failed`` is set when that exception is a failure (not a cancellation from outside), before the
+    others are cancelled, so they can tell the two apart (a CancelledError's message does not survive
+    every await).
+    """
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         return await asyncio.gather(*tasks)
     except BaseException as exc:
-        # a cancellation passes on as it came (an interrupt stays an interrupt); a failure says so
-        why = (exc.args[0] if exc.args else None) if isinstance(exc, asyncio.CancelledError) else SIBLING_FAILED
+        if failed is not None and not isinstance(exc, asyncio.CancelledError):
+            failed.set()
         for t in tasks:
-            t.cancel(why)
+            t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
 

@@ -19,7 +19,7 @@ from .journal import Journal, resumable_paths, state_dir
 from .plan import Plan, plan_download, plan_upload
 from .pool import BufferPool
 from .progress import Progress, ProgressCallback
-from .tasks import cancelled_by_failure, gather_all
+from .tasks import gather_all
 
 log = logging.getLogger("fastckpt")
 
@@ -65,13 +65,14 @@ class Transfer:
             except FileNotFoundError:
                 raise FileNotFoundError(f"source file {path} does not exist") from None
         self.progress.expect(sum(sizes))
-        return await gather_all(self._upload_counted(p, k, if_absent) for p, k in pairs)
+        failed = asyncio.Event()  # set when one file failed: the others are then cancelled, not interrupted
+        return await gather_all((self._upload_counted(p, k, if_absent, failed) for p, k in pairs), failed)
 
     async def upload_file(self, path: str, key: str, *, if_absent: bool = False) -> FileResult:
         """Upload one file (progress total grows by its size)."""
         return (await self.upload_files([(path, key)], if_absent=if_absent))[0]
 
-    async def _upload_counted(self, path: str, key: str, if_absent: bool) -> FileResult:
+    async def _upload_counted(self, path: str, key: str, if_absent: bool, failed: asyncio.Event) -> FileResult:
         async with self._files:
             try:
                 fd = os.open(path, os.O_RDONLY)
@@ -85,7 +86,7 @@ class Transfer:
                     log.debug("upload %s -> %s: %d bytes, %d part(s) of %d", path, self.store.uri(key), plan.size,
                               plan.count, plan.part_size)
                 if plan.multipart:
-                    digest = await self._upload_multipart(fd, plan, key, path, if_absent)
+                    digest = await self._upload_multipart(fd, plan, key, path, if_absent, failed)
                 else:
                     digest = await self._upload_single(fd, plan, key, if_absent)
             finally:
@@ -133,7 +134,8 @@ class Transfer:
             return False
         return FileDigest.from_metadata(meta.size, meta.metadata) == digest
 
-    async def _upload_multipart(self, fd: int, plan: Plan, key: str, path: str, if_absent: bool) -> FileDigest:
+    async def _upload_multipart(self, fd: int, plan: Plan, key: str, path: str, if_absent: bool,
+                                failed: asyncio.Event) -> FileDigest:
         pre: FileDigest | None = None
         if self.config.digest_metadata and not self.store.metadata_on_complete:
             pre = await self._hash_file(fd, plan)
@@ -157,8 +159,8 @@ class Transfer:
             await asyncio.shield(self._abort(mpu, journal))
             if not await self._holds(key, digest):
                 raise
-        except asyncio.CancelledError as exc:
-            if journal is None or cancelled_by_failure(exc):
+        except asyncio.CancelledError:
+            if journal is None or failed.is_set():
                 await asyncio.shield(self._abort(mpu, journal))
             else:  # interrupted: kept, the same upload run again continues from the journal (or gc aborts it)
                 journal.close()
@@ -243,13 +245,15 @@ class Transfer:
                              ) -> list[FileResult]:
         """Download ``(key, local path)`` pairs concurrently; digests from ``expected`` or metadata."""
         expected = expected or {}
-        return await gather_all(self._download(k, p, expected.get(k)) for k, p in pairs)
+        failed = asyncio.Event()  # set when one file failed: the others are then cancelled, not interrupted
+        return await gather_all((self._download(k, p, expected.get(k), failed) for k, p in pairs), failed)
 
     async def download_file(self, key: str, path: str, expected: FileDigest | None = None) -> FileResult:
         """Download one object to ``path`` (written beside it, verified, then renamed into place)."""
         return (await self.download_files([(key, path)], {key: expected} if expected else None))[0]
 
-    async def _download(self, key: str, path: str, expected: FileDigest | None) -> FileResult:
+    async def _download(self, key: str, path: str, expected: FileDigest | None, failed: asyncio.Event
+                        ) -> FileResult:
         async with self._files:
             meta = await self.store.head(key)
             if expected is None and self.config.verify:
@@ -279,7 +283,7 @@ class Transfer:
                     os.close(fd)
                 os.replace(tmp, path)
             except BaseException as exc:
-                if journal is not None and isinstance(exc, asyncio.CancelledError) and not cancelled_by_failure(exc):
+                if journal is not None and isinstance(exc, asyncio.CancelledError) and not failed.is_set():
                     journal.close()  # interrupted: kept, the same download run again continues from the journal
                     raise
                 if journal is not None:
