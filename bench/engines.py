@@ -62,7 +62,8 @@ def _keys() -> tuple[str, str]:
 class HashMeter:
     """CPU seconds spent hashing inside fastckpt, summed over threads (``time.thread_time`` around each call).
 
-    Wraps the digest functions ``fastckpt.integrity`` calls (xxhash's, or the native accelerator's). The
+    Wraps the digest functions ``fastckpt.integrity`` calls (xxhash's, or the native accelerator's) and the
+    streaming ``ChunkHasher.update`` (downloads hash each slice as it arrives). The
     native ``read_and_hash`` reads and hashes in one call; its time is counted whole (``includes_read``).
     """
 
@@ -77,6 +78,7 @@ class HashMeter:
         from fastckpt import integrity
 
         integrity.xxhash = _Timed(integrity.xxhash, ("xxh3_128_digest",), self)  # type: ignore[assignment]
+        integrity.ChunkHasher.update = self.wrap(integrity.ChunkHasher.update)  # type: ignore[method-assign]
         native = getattr(integrity, "_native", None)
         if native is not None:
             integrity._native = _Timed(native, ("xxh3_128", "xxh3_128_chunks", "read_and_hash"), self)

@@ -205,6 +205,9 @@ error_with_gil:
     return NULL;
 }
 
+/* Bytes per pwrite: one huge pwrite into the page cache costs several times its size in slices. */
+#define WRITE_SLICE ((size_t)1 << 20)
+
 PyDoc_STRVAR(write_at_doc,
 "write_at(fd, offset, buf) -> None\n\n"
 "Write all of buf to file descriptor fd at offset with the GIL released (short writes continued,\n"
@@ -230,7 +233,8 @@ native_write_at(PyObject *module, PyObject *args)
 
     ts = PyEval_SaveThread();
     while (done < total) {
-        ssize_t n = pwrite(fd, base + done, total - done, (off_t)(offset + (long long)done));
+        size_t want = total - done < WRITE_SLICE ? total - done : WRITE_SLICE;
+        ssize_t n = pwrite(fd, base + done, want, (off_t)(offset + (long long)done));
         if (n < 0) {
             if (errno == EINTR) {
                 if (retry_after_eintr(&ts) < 0) {

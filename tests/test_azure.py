@@ -9,7 +9,6 @@ import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-import aiohttp
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -24,8 +23,8 @@ from fastckpt.stores.azure import (
     AzureStore,
     decode_metadata_key,
     encode_metadata_key,
-    get_blob_response,
     resolve_endpoint,
+    shared_key_signer,
 )
 from fastckpt.stores.base import Buffer
 from harness.faults import FaultInjectingStore
@@ -330,16 +329,26 @@ async def test_metadata_keys_roundtrip_through_azurite(azure_uri: str, azurite: 
 
 
 async def test_sdk_internals_this_backend_reads_keep_their_shape(azure_uri: str) -> None:
-    """``get_blob_response`` is where the private SDK parts are used (the generated Get Blob operation and
-    the pipeline's aiohttp response): they work against Azurite, and their absence is a clear error."""
+    """``shared_key_signer`` is where the private SDK part is used (its shared-key policy signs the data path's
+    requests): Azurite accepts what it signs, a wrong key is refused, and its absence is a clear error."""
     uri = parse_uri(azure_uri)
     async with open_store(uri, small_config()) as store:
         await store.put(uri.join("shape"), b"0123456789")
-        raw = await get_blob_response(store.inner._blob(uri.join("shape")), "bytes=2-5")
-        assert isinstance(raw, aiohttp.ClientResponse)
-        try:
-            assert await raw.read() == b"2345"
-        finally:
-            raw.close()
-    with pytest.raises(StoreError, match=r"azure-storage-blob \S+ changed shape"):
-        await get_blob_response(object(), "bytes=0-1")  # type: ignore[arg-type]
+        buf = bytearray(4)
+        resp = await store.inner.send("GET", uri.join("shape"), "", {"x-ms-range": "bytes=2-5"}, sink=memoryview(buf))
+        assert resp.status == 206 and buf == b"2345"
+        sign = shared_key_signer(EMULATOR_ACCOUNT, EMULATOR_KEY)
+        headers = sign("GET", "http://h/devstoreaccount1/c/k", {"x-ms-date": "Thu, 03 Dec 2026 10:00:00 GMT"})
+        assert headers["Authorization"].startswith(f"SharedKey {EMULATOR_ACCOUNT}:")
+        store.inner._sign = shared_key_signer(EMULATOR_ACCOUNT, base64.b64encode(b"wrong key").decode())
+        with pytest.raises(AccessDeniedError):
+            await store.read_into(uri.join("shape"), 0, memoryview(buf))
+    import azure.storage.blob._shared.authentication as authentication
+
+    policy = authentication.SharedKeyCredentialPolicy
+    try:
+        del authentication.SharedKeyCredentialPolicy
+        with pytest.raises(StoreError, match=r"azure-storage-blob \S+ changed shape"):
+            shared_key_signer(EMULATOR_ACCOUNT, EMULATOR_KEY)
+    finally:
+        authentication.SharedKeyCredentialPolicy = policy

@@ -50,6 +50,11 @@ def start_io_threads() -> None:
     threading.Thread(target=fill, name="fastckpt-io-start", daemon=True).start()
 
 
+def io_executor() -> ThreadPoolExecutor:
+    """The engine's I/O threads."""
+    return _IO
+
+
 async def off_loop(fn: Callable[..., T], *args: object) -> T:
     """Run blocking ``fn(*args)`` (file I/O, hashing) on the I/O threads, not the event loop."""
     return await asyncio.get_running_loop().run_in_executor(_IO, functools.partial(fn, *args))

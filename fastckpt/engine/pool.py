@@ -11,8 +11,9 @@ from contextlib import asynccontextmanager
 class BufferPool:
     """At most ``count`` buffers exist; ``acquire`` waits when all are lent out.
 
-    Buffers are anonymous ``mmap`` regions (page-aligned, not zero-filled twice, returned to the
-    OS on close). A request larger than a pooled buffer replaces that buffer, so memory stays at
+    Buffers are private anonymous ``mmap`` regions (page-aligned, not zero-filled twice, returned to the
+    OS on close; private: not shmem-backed, cheaper to fault in and to copy from, and never shared with a
+    forked child). A request larger than a pooled buffer replaces that buffer, so memory stays at
     ``count * largest size asked for``.
 
     A buffer whose user failed (or was cancelled) is not reused: a connection that is being torn down
@@ -48,7 +49,7 @@ class BufferPool:
                 return buf
             self._discard(buf)
         self.allocated += 1
-        return mmap.mmap(-1, max(nbytes, self.size, 1))
+        return mmap.mmap(-1, max(nbytes, self.size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     def _discard(self, buf: mmap.mmap, view: memoryview | None = None) -> None:
         """Forget ``buf``; unmap it now unless someone still holds a view (then the GC unmaps it)."""

@@ -6,11 +6,12 @@ import asyncio
 import fcntl
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 from ..config import TransferConfig
 from ..errors import AlreadyExistsError, IntegrityError, ObjectNotFoundError, StoreError
-from ..integrity import FileDigest, combine, hash_chunks, read_and_hash, read_exact, write_at
+from ..integrity import FileDigest, combine, hash_chunks, read_and_hash, read_exact
 from ..stores.base import MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
 from ..stores.local import partial_path
 from ..stores.retry import retrying
@@ -19,6 +20,7 @@ from .journal import Journal, resumable_paths, state_dir
 from .plan import Plan, plan_download, plan_upload
 from .pool import BufferPool
 from .progress import Progress, ProgressCallback
+from .sink import PartSink
 from .tasks import gather_all
 
 log = logging.getLogger("fastckpt")
@@ -272,7 +274,8 @@ class Transfer:
             tmp, fd, journal = self._partial(key, path, meta, expected, plan, chunk)
             try:
                 try:
-                    parts = await gather_all(self._fetch_part(key, fd, plan, i, chunk, journal)
+                    writer = threading.Lock()  # one pwrite at a time per file (see engine.sink)
+                    parts = await gather_all(self._fetch_part(key, fd, writer, plan, i, chunk, journal)
                                              for i in range(plan.count))
                     digests = [d for part in parts for d in part]
                     if expected is not None:
@@ -331,7 +334,7 @@ class Transfer:
             os.ftruncate(fd, 0)
         return tmp, fd, journal
 
-    async def _fetch_part(self, key: str, fd: int, plan: Plan, index: int, chunk: int,
+    async def _fetch_part(self, key: str, fd: int, writer: threading.Lock, plan: Plan, index: int, chunk: int,
                           journal: Journal | None) -> list[bytes]:
         offset, length = plan.part(index)
         async with self.pool.buffer(length) as buf:
@@ -341,10 +344,14 @@ class Transfer:
                 if ",".join(d.hex() for d in digests) == done.get("digests"):
                     self.progress.advance(length)
                     return digests
-            n = await self.store.read_into(key, offset, buf)
-            if n != length:
-                raise StoreError(f"{key}: object shrank during download (got {n} of {length} bytes at {offset})")
-            digests = await off_loop(_hash_and_write, fd, offset, buf, chunk)
+            sink = PartSink(fd, writer, offset, buf, chunk)
+            try:
+                n = await self.store.stream_into(key, offset, buf, sink.on_data)
+                if n != length:
+                    raise StoreError(f"{key}: object shrank during download (got {n} of {length} bytes at {offset})")
+                digests = await sink.finish(n)
+            finally:
+                await sink.settle()  # no thread touches the buffer or the file once this part is over
             if journal is not None:
                 journal.record(index, digests=",".join(d.hex() for d in digests))
         self.progress.advance(length)
@@ -392,12 +399,6 @@ class Transfer:
         if not found:
             raise ObjectNotFoundError(f"nothing found below {prefix!r} in {self.store.name}")
         return found
-
-
-def _hash_and_write(fd: int, offset: int, buf: memoryview, chunk: int) -> list[bytes]:
-    digests = hash_chunks(buf, chunk)
-    write_at(fd, offset, buf)
-    return digests
 
 
 def _read_and_hash_chunks(fd: int, offset: int, buf: memoryview, chunk: int) -> list[bytes]:

@@ -3,7 +3,9 @@
 Large files are staged as blocks in parallel (``stage_block``) and made visible by one
 ``commit_block_list`` that also sets the digest metadata; small files are one ``Put Blob``.
 Create-if-absent sends ``If-None-Match: *``. Every block and single upload carries a Content-MD5,
-computed off the event loop, that the service checks. Ranged reads land in the caller's buffer.
+computed off the event loop, that the service checks. Ranged reads and staged blocks go through the
+shared HTTP data path (``fastckpt.http``), signed as the SDK signs: a read lands in the caller's buffer,
+a block is sent from it.
 
 Credentials, first match wins: ``?anonymous``; ``AZURE_STORAGE_CONNECTION_STRING``; an account key
 (``AZURE_STORAGE_ACCOUNT_KEY`` / ``AZURE_STORAGE_KEY``); a SAS (``AZURE_STORAGE_SAS_TOKEN``); the
@@ -14,15 +16,18 @@ emulator's published key for ``devstoreaccount1`` behind an ``endpoint_override`
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import importlib.util
 import os
 import re
 import secrets
-from collections.abc import Mapping
+import socket
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from email.utils import formatdate
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 from azure.core.credentials import AzureNamedKeyCredential
@@ -32,13 +37,15 @@ from azure.core.exceptions import (
     ServiceRequestError,
     ServiceResponseError,
 )
-from azure.core.pipeline.transport import AioHttpTransport
+from azure.core.pipeline import PipelineContext, PipelineRequest
+from azure.core.pipeline.transport import AioHttpTransport, HttpRequest
 from azure.storage.blob import __version__ as VERSION
 from azure.storage.blob.aio import BlobClient, BlobPrefix, ContainerClient
 
 from ..config import TransferConfig
 from ..engine.tasks import gather_bounded
 from ..errors import AccessDeniedError, BucketNotFoundError, ObjectNotFoundError, StoreError
+from ..http import HttpClient, ProtocolError, Response
 from ..uri import StorageURI, check_options, parse_flag
 from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
 from .classify import ErrorTable, classify, unreachable
@@ -213,6 +220,9 @@ class AzureStore(Store):
         self.content_md5 = options.content_md5
         self._timeouts = (connection_timeout, read_timeout)
         self._client: ContainerClient | None = None
+        self._data: HttpClient | None = None
+        """The HTTP data path (``fastckpt.http``): ranged reads and staged blocks, from and into pooled buffers."""
+        self._sign: Callable[[str, str, dict[str, str]], dict[str, str]] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._credential: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -254,6 +264,9 @@ class AzureStore(Store):
         return self._container().get_blob_client(key)
 
     async def close(self) -> None:
+        data, self._data = self._data, None
+        if data is not None:
+            await data.close()
         client, self._client = self._client, None
         if client is not None:
             await client.close()
@@ -279,10 +292,51 @@ class AzureStore(Store):
             return StoreError(f"{where}: {type(exc).__name__}: {_redact(str(exc))}", key=key, backend="azure")
         code = getattr(exc, "error_code", None) or (exc.response.headers.get("x-ms-error-code", "")
                                                     if exc.response is not None else "")
-        return classify(ERRORS, exc.status_code or 0, str(getattr(code, "value", code)), place=where, key=key,
-                        bucket=f"Azure container {self.container!r}", if_absent=if_absent, detail=exc.reason or "",
+        return self._classify(exc.status_code or 0, str(getattr(code, "value", code)), exc.reason or "", key,
+                              if_absent)
+
+    def _classify(self, status: int, code: str, reason: str, key: str | None, if_absent: bool = False) -> Exception:
+        where = self.url(key) if key is not None else f"container {self.container!r}"
+        return classify(ERRORS, status, code, place=where, key=key, bucket=f"Azure container {self.container!r}",
+                        if_absent=if_absent, detail=reason,
                         at=f" in storage account {self.endpoint.account!r} ({self.endpoint.url})",
                         denied_hint=f"check the credentials ({self.endpoint.source}) and their permissions")
+
+    async def send(self, method: str, key: str, query: str, headers: dict[str, str], **kwargs: Any) -> Response:
+        """A request on the HTTP data path for blob ``key`` (``query``: its URL query, without the SAS), signed
+        as the SDK signs (shared key, SAS, or a token of the SDK's credential; a Content-Length in ``headers`` is
+        signed too); an error answer (other than 416) raises the fastckpt error."""
+        container = self._container()
+        parts = urlsplit(self.endpoint.url)
+        origin = f"{parts.scheme}://{parts.netloc}"
+        if self._data is None:
+            self._data = HttpClient(origin, limit=self.max_connections, connect_timeout=self._timeouts[0])
+            if self.endpoint.kind == "key":
+                self._sign = shared_key_signer(self.endpoint.account, self.endpoint.secret)
+        path = f"{parts.path}/{self.container}/{quote(key, safe='/~')}"
+        if self.endpoint.kind == "sas":
+            query = f"{query}&{self.endpoint.secret}" if query else self.endpoint.secret
+        target = f"{path}?{query}" if query else path
+        headers = {"x-ms-version": container.api_version, "x-ms-date": formatdate(usegmt=True), **headers}
+        try:
+            if self._sign is not None:
+                headers = self._sign(method, origin + target, headers)
+            elif self._credential is not None:
+                token = await self._credential.get_token("https://storage.azure.com/.default")
+                headers["Authorization"] = f"Bearer {token.token}"
+            resp = await self._data.request(method, target, headers, **kwargs)
+        except (ProtocolError, ConnectionError, asyncio.TimeoutError, socket.gaierror) as exc:
+            refused = isinstance(exc, (ConnectionRefusedError, socket.gaierror))
+            raise unreachable("Azure", self.endpoint.url, self.url(key), type(exc).__name__, key=key,
+                              first_contact=refused and not self._connected) from exc
+        except ClientAuthenticationError as exc:
+            raise self._error(exc, key) from exc
+        self._connected = True
+        if resp.status >= 300 and resp.status != 416:
+            reason = re.search(rb"<Message>([^<\n]*)", resp.body)
+            raise self._classify(resp.status, resp.headers.get("x-ms-error-code", ""),
+                                 reason[1].decode("utf-8", "replace") if reason else "", key)
+        return resp
 
     async def _md5(self, data: Buffer) -> bytes | None:
         if not self.content_md5 or not len(data):
@@ -305,41 +359,20 @@ class AzureStore(Store):
         return bytes(buf[:n])
 
     async def read_into(self, key: str, start: int, buf: memoryview) -> int:
-        """One ranged GET whose body is copied from the socket's chunks straight into ``buf``.
+        return await self.stream_into(key, start, buf, None)
 
-        Goes through the SDK's generated ``Get Blob`` operation (same pipeline, auth and errors as the
-        public client) because ``download_blob`` joins and slices the body into new bytes first.
-        """
+    async def stream_into(self, key: str, start: int, buf: memoryview,
+                          on_data: Callable[[int], None] | None) -> int:
+        """One ranged Get Blob on the HTTP data path, its body received straight into ``buf``."""
         if not len(buf):
             return 0
-        try:
-            body = await get_blob_response(self._blob(key), f"bytes={start}-{start + len(buf) - 1}")
-        except HttpResponseError as exc:
-            if exc.status_code == 416:  # start at or past the end
-                return 0
-            raise self._error(exc, key) from exc
-        except StoreError:
-            raise
-        except Exception as exc:
-            raise self._error(exc, key) from exc
-        pos = 0
-        try:
-            async for chunk, _ in body.content.iter_chunks():
-                end = pos + len(chunk)
-                if end > len(buf):
-                    raise StoreError(f"{self.url(key)}: server sent more than the {len(buf)} bytes requested")
-                buf[pos:end] = chunk
-                pos = end
-        except StoreError:
-            body.close()
-            raise
-        except Exception as exc:
-            body.close()
-            raise self._error(exc, key) from exc
-        except BaseException:  # cancelled (a deadline, an interrupt): the connection is not reusable
-            body.close()
-            raise
-        return pos
+        resp = await self.send("GET", key, "", {"x-ms-range": f"bytes={start}-{start + len(buf) - 1}"}, sink=buf,
+                               on_data=on_data)
+        if resp.status == 416:  # start at or past the end
+            return 0
+        if resp.status == 200 and start:
+            raise StoreError(f"{self.url(key)}: {self.endpoint.url} ignored the range")
+        return resp.received
 
     async def put(
         self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None
@@ -441,23 +474,28 @@ class AzureStore(Store):
             await self.delete(key)
 
 
-async def get_blob_response(blob: BlobClient, byte_range: str) -> aiohttp.ClientResponse:
-    """A ranged Get Blob through the SDK's generated operation (same pipeline, auth and errors as the
-    public client), answered with the raw aiohttp response so its body can be read into a caller's buffer.
+def shared_key_signer(account: str, key: str) -> Callable[[str, str, dict[str, str]], dict[str, str]]:
+    """``sign(method, url, headers) -> headers`` with Authorization added by the SDK's own shared-key policy.
 
-    These are the private SDK parts this backend relies on (``BlobClient._client.blob.download`` and
-    the pipeline response's ``internal_response``); a clear error, not an AttributeError, if they change.
+    The one private SDK part this backend relies on (``azure.storage.blob._shared.authentication``); a clear
+    error, not an ImportError or AttributeError, if it changes.
     """
-    download = getattr(getattr(getattr(blob, "_client", None), "blob", None), "download", None)
-    if download is None:
-        raise StoreError(f"azure-storage-blob {VERSION} changed shape: BlobClient._client.blob.download is gone; "
-                         "fastckpt needs an update")
-    response = await download(range=byte_range, cls=lambda pipeline_response, *_: pipeline_response)
-    raw = getattr(getattr(response, "http_response", None), "internal_response", None)
-    if not isinstance(raw, aiohttp.ClientResponse):
-        raise StoreError(f"azure-storage-blob {VERSION} changed shape: Get Blob did not answer with an aiohttp "
-                         f"response ({type(raw).__name__}); fastckpt needs an update")
-    return raw
+    try:
+        from azure.storage.blob._shared.authentication import SharedKeyCredentialPolicy
+    except ImportError as exc:
+        raise StoreError(f"azure-storage-blob {VERSION} changed shape: its SharedKeyCredentialPolicy is gone; "
+                         "fastckpt needs an update") from exc
+    policy = SharedKeyCredentialPolicy(account, key)
+    if not callable(getattr(policy, "on_request", None)):
+        raise StoreError(f"azure-storage-blob {VERSION} changed shape: SharedKeyCredentialPolicy.on_request is "
+                         "gone; fastckpt needs an update")
+
+    def sign(method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
+        request = PipelineRequest(HttpRequest(method, url, headers=headers), PipelineContext(None))
+        policy.on_request(request)
+        return dict(request.http_request.headers)
+
+    return sign
 
 
 def _redact(text: str) -> str:
@@ -487,11 +525,11 @@ class AzureUpload(MultipartUpload):
             raise StoreError(f"multipart upload of {self._store.url(self.key)} is no longer active")
         block_id = self.block_id(index)
         md5 = await self._store._md5(data)
-        extra = {"transactional_content_md5": md5} if md5 else {}
-        try:
-            await self._store._blob(self.key).stage_block(block_id, data, length=len(data), **extra)
-        except Exception as exc:
-            raise self._store._error(exc, self.key) from exc
+        headers = {"Content-Length": str(len(data))}
+        if md5:
+            headers["Content-MD5"] = base64.b64encode(md5).decode()
+        encoded = quote(base64.b64encode(block_id.encode()).decode(), safe="")
+        await self._store.send("PUT", self.key, f"comp=block&blockid={encoded}", headers, body=data)
         return PartInfo(index, len(data), block_id)
 
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:

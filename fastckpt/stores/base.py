@@ -13,7 +13,7 @@ retries live in one wrapper (``stores.retry.RetryingStore``), applied by ``open_
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ..errors import ObjectNotFoundError
@@ -146,6 +146,14 @@ class Store(abc.ABC):
         data = await self.get_range(key, start, len(buf))
         buf[: len(data)] = data
         return len(data)
+
+    async def stream_into(self, key: str, start: int, buf: memoryview, on_data: Callable[[int], None]) -> int:
+        """``read_into``, calling ``on_data(n)`` (on the loop; it must not raise) as the first ``n`` bytes of
+        ``buf`` are in, so the caller can work on them while the rest arrives. A backend that cannot tell
+        calls it once, at the end. A retried request fills ``buf`` again from its start with the same bytes."""
+        n = await self.read_into(key, start, buf)
+        on_data(n)
+        return n
 
     @abc.abstractmethod
     async def put(

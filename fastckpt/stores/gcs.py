@@ -13,9 +13,10 @@ happens there (modes in ``stores.conditional``; Google's own endpoint is trusted
 Every upload carries its CRC32C, which GCS checks;
 the CRC32C the server reports back is compared too, so an emulator that does not check is covered.
 
-Metadata, listing, deletes and ranged downloads go through ``gcloud.aio.storage.Storage``; uploads
-and composes are sent on the same session directly, since the client neither streams a caller's
-buffer without copying it nor sets metadata or preconditions on compose.
+Metadata, listing and deletes go through ``gcloud.aio.storage.Storage``; composes are sent on its
+session directly (the client sets neither metadata nor preconditions on compose). Ranged reads and
+uploads go through the shared HTTP data path (``fastckpt.http``) with the client's token: a read lands
+in the caller's buffer, an upload is sent from it.
 
 Endpoint: ``?endpoint_override=`` in the URI, else ``STORAGE_EMULATOR_HOST``, else
 https://storage.googleapis.com. Credentials come the usual way (``GOOGLE_APPLICATION_CREDENTIALS``,
@@ -33,11 +34,12 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+import socket
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, ClassVar, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 import google_crc32c
@@ -47,6 +49,7 @@ from gcloud.aio.storage import Storage
 from ..config import TransferConfig
 from ..engine.tasks import gather_bounded
 from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError, TransientStoreError
+from ..http import HttpClient, Response
 from ..uri import StorageURI, check_options
 from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
 from .classify import ErrorTable, classify, unreachable
@@ -214,6 +217,8 @@ class GCSStore(Store):
         self.endpoint, self.anonymous = options.endpoint, options.anonymous
         self._max_connections = max_connections
         self._http: aiohttp.ClientSession | None = None
+        self._data: HttpClient | None = None
+        """The HTTP data path (``fastckpt.http``): ranged reads and uploads, from and into pooled buffers."""
         self._client: Storage | None = None
         self._token: Token | None = None
         self._had_token = False
@@ -286,10 +291,11 @@ class GCSStore(Store):
             raise classify(ERRORS, exc.status, code, place=what, bucket=f"GCS bucket {self.bucket!r}",
                            at=f" at {self.endpoint}", key=key, detail=message, if_absent=if_absent,
                            denied_hint=f"{auth}: {message}") from exc
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, socket.gaierror) as exc:
             detail = " ".join(str(exc).split()) or type(exc).__name__
             raise unreachable("GCS", self.endpoint, what, detail, key=key, first_contact=not self._connected and
-                              isinstance(exc, aiohttp.ClientConnectorError)) from exc
+                              isinstance(exc, (aiohttp.ClientConnectorError, ConnectionRefusedError,
+                                               socket.gaierror))) from exc
         self._connected = True
         return result
 
@@ -304,6 +310,17 @@ class GCSStore(Store):
             return False
         self._bucket_exists = True
         return False
+
+    async def _data_request(self, method: str, path: str, headers: dict[str, str], **kwargs: Any) -> Response:
+        """A request on the HTTP data path (``path`` below the endpoint, with its query); an error answer (other
+        than 416) raises _HTTPStatus, for ``_call`` to classify."""
+        if self._data is None:
+            parts = urlsplit(self.endpoint)
+            self._data = HttpClient(f"{parts.scheme}://{parts.netloc}", limit=self._max_connections)
+        resp = await self._data.request(method, urlsplit(self.endpoint).path + path, headers, **kwargs)
+        if resp.status >= 300 and resp.status != 416:
+            raise _HTTPStatus(resp.status, _server_message(resp.body.decode("utf-8", "replace")))
+        return resp
 
     async def _send(self, method: str, url: str, **kwargs: Any) -> dict[str, Any]:
         """A request on the session; the JSON answer, or _HTTPStatus."""
@@ -336,23 +353,14 @@ class GCSStore(Store):
         head = (f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
                 f"{json.dumps(resource)}\r\n--{boundary}\r\nContent-Type: {CONTENT_TYPE}\r\n\r\n").encode()
         tail = f"\r\n--{boundary}--\r\n".encode()
-
-        async def body() -> AsyncIterator[bytes | memoryview]:
-            yield head
-            if len(data):
-                yield data
-            yield tail
-
-        params = {"uploadType": "multipart"}
-        if if_absent:
-            params["ifGenerationMatch"] = "0"
-        url = f"{self.endpoint}/upload/storage/v1/b/{self.bucket}/o"
+        query = "uploadType=multipart" + ("&ifGenerationMatch=0" if if_absent else "")
         what = self.url(key)
 
         async def send(_: Storage, headers: dict[str, str]) -> dict[str, Any]:
-            headers = {**headers, "Content-Type": f"multipart/related; boundary={boundary}",
-                       "Content-Length": str(len(head) + len(data) + len(tail))}
-            return await self._send("POST", url, params=params, headers=headers, data=body())
+            headers = {**headers, "Content-Type": f"multipart/related; boundary={boundary}"}
+            resp = await self._data_request("POST", f"/upload/storage/v1/b/{self.bucket}/o?{query}", headers,
+                                            body=[head, data, tail])
+            return json.loads(resp.body)
 
         result = await self._call(what, send, key=key, if_absent=if_absent)
         if result.get("crc32c") not in (None, crc):
@@ -459,43 +467,29 @@ class GCSStore(Store):
     async def get_range(self, key: str, start: int, length: int) -> bytes:
         if length <= 0:
             return b""
-        headers = {"Range": f"bytes={start}-{start + length - 1}", "Accept-Encoding": "identity"}
-
-        async def read(client: Storage, auth: dict[str, str]) -> bytes:
-            try:
-                return await client.download(self.bucket, key, headers={**auth, **headers},
-                                             timeout=self._timeout)  # type: ignore[arg-type]
-            except aiohttp.ClientResponseError as exc:
-                if exc.status == 416:  # start at or past the end
-                    return b""
-                raise
-
-        return await self._call(self.url(key), read, key=key)
+        buf = bytearray(length)
+        with memoryview(buf) as view:
+            n = await self.read_into(key, start, view)
+        return bytes(buf[:n]) if n < length else bytes(buf)
 
     async def read_into(self, key: str, start: int, buf: memoryview) -> int:
+        return await self.stream_into(key, start, buf, None)
+
+    async def stream_into(self, key: str, start: int, buf: memoryview,
+                          on_data: Callable[[int], None] | None) -> int:
+        """One ranged media GET on the HTTP data path, its body received straight into ``buf``."""
         if not len(buf):
             return 0
         headers = {"Range": f"bytes={start}-{start + len(buf) - 1}", "Accept-Encoding": "identity"}
+        path = f"/storage/v1/b/{self.bucket}/o/{quote(key, safe='')}?alt=media"
 
-        async def read(client: Storage, auth: dict[str, str]) -> int:
-            try:
-                stream = await client.download_stream(self.bucket, key, headers={**auth, **headers},
-                                                      timeout=self._timeout)  # type: ignore[arg-type]
-            except aiohttp.ClientResponseError as exc:
-                if exc.status == 416:
-                    return 0
-                raise
-            async with stream as resp:
-                if resp.status == 200 and start:
-                    raise StoreError(f"{self.url(key)}: {self.endpoint} ignored the Range header")
-                n = 0
-                async for chunk in resp.content.iter_any():
-                    take = min(len(chunk), len(buf) - n)
-                    buf[n : n + take] = chunk[:take] if take < len(chunk) else chunk
-                    n += take
-                    if n == len(buf):
-                        break
-                return n
+        async def read(_: Storage, auth: dict[str, str]) -> int:
+            resp = await self._data_request("GET", path, {**auth, **headers}, sink=buf, on_data=on_data)
+            if resp.status == 416:  # start at or past the end
+                return 0
+            if resp.status == 200 and start:
+                raise StoreError(f"{self.url(key)}: {self.endpoint} ignored the Range header")
+            return resp.received
 
         return await self._call(self.url(key), read, key=key)
 
@@ -537,6 +531,9 @@ class GCSStore(Store):
         await self.delete_prefix(parts_prefix(upload.key, upload.upload_id))
 
     async def close(self) -> None:
+        if self._data is not None:
+            await self._data.close()
+            self._data = None
         if self._http is not None:
             await self._http.close()
         self._http = self._client = self._token = None

@@ -19,18 +19,21 @@ import contextlib
 import hashlib
 import os
 import posixpath
+import re
 import secrets
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import aiobotocore
 import aiohttp
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 from botocore import UNSIGNED
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
@@ -55,6 +58,7 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
+from ..http import HttpClient, ProtocolError, Response
 from ..uri import StorageURI, check_options
 from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
 from .classify import ErrorTable, classify, unreachable
@@ -123,6 +127,11 @@ def _body(data: Buffer, copy: bool = False) -> tuple[Buffer, int]:
     if not copy and isinstance(data, memoryview) and data.ndim == 1 and data.format in ("B", "b", "c"):
         return data, data.nbytes
     return bytes(data), memoryview(data).nbytes
+
+
+def _plain_header(text: str) -> bool:
+    """Whether ``text`` goes into an HTTP header as is (printable ASCII); other metadata goes through the SDK."""
+    return text.isascii() and text.isprintable()
 
 
 def resolve_endpoint(options: Mapping[str, str], environ: Mapping[str, str] = os.environ) -> str | None:
@@ -203,9 +212,13 @@ class S3Upload(MultipartUpload):
         if self._finished:
             raise StoreError(f"multipart upload of {self._store.where(self.key)} is no longer active")
         body, size = _body(data, self._store.copy_bodies)
-        resp = await self._store.call("upload_part", self.key, Key=self.key, UploadId=self.upload_id,
-                                      PartNumber=index + 1, Body=body, ContentLength=size)
-        return PartInfo(index, size, resp["ETag"])
+        query = {"partNumber": str(index + 1), "uploadId": self.upload_id}
+        if self._store.fast:
+            resp = await self._store.send("PUT", self.key, query, {}, body=body)
+            return PartInfo(index, size, resp.headers.get("etag", ""))
+        answer = await self._store.call("upload_part", self.key, Key=self.key, UploadId=self.upload_id,
+                                        PartNumber=index + 1, Body=body, ContentLength=size)
+        return PartInfo(index, size, answer["ETag"])
 
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
         """Assemble the parts; ``metadata`` is ignored (S3 takes it at creation only)."""
@@ -256,8 +269,13 @@ class S3Store(Store):
         self.max_pool_connections = max_pool_connections
         # botocore's checksum code reads bytes or files only, not memoryviews
         self.copy_bodies = options.request_checksum_calculation != "when_required"
+        self.fast = options.http_data_path and not self.copy_bodies
+        """Whether data requests (ranged GET, PUT) go through ``fastckpt.http`` (signed here with botocore's
+        SigV4 signer) instead of aiobotocore: no bytes object per socket read, no copy of a part."""
         self.page_size = page_size
         self._client: Any = None
+        self._http: HttpClient | None = None
+        self._signing: tuple[str, str, Any, str] | None = None  # (origin, bucket's path, credentials, region)
         self._stack: contextlib.AsyncExitStack | None = None
         self._client_lock = asyncio.Lock()
         self._connected = False
@@ -306,14 +324,78 @@ class S3Store(Store):
             await stack.aclose()
             raise self._translate(exc, "") from exc
         client.meta.events.register("before-sign.s3.DeleteObjects", _content_md5)
+        if self.fast:
+            try:
+                await self._start_data_path(client, session)
+            except BaseException as exc:
+                await stack.aclose()
+                if isinstance(exc, _CLIENT_ERRORS):
+                    raise self._translate(exc, "") from exc
+                raise
         if opts.expect_continue:
             for op in ("PutObject", "UploadPart"):
                 client.meta.events.register(f"before-sign.s3.{op}", _expect_continue)
         self._stack = stack
         return client
 
+    async def _start_data_path(self, client: Any, session: AioSession) -> None:
+        """The bucket's URL as botocore addresses it (endpoint, addressing style), the credentials and the
+        HTTP client of the data path."""
+        probe = "k"
+        url = await client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": probe},
+                                                  ExpiresIn=60)
+        parts = urlsplit(url)
+        if not parts.path.endswith("/" + probe):
+            raise StoreError(f"botocore addressed s3://{self.bucket}/{probe} as {parts.path!r}; fastckpt needs an "
+                             "update (or set FASTCKPT_HTTP_DATA_PATH=0)")
+        origin = f"{parts.scheme}://{parts.netloc}"
+        credentials = None if self.options.anonymous else await session.get_credentials()
+        if credentials is None and not self.options.anonymous:
+            raise self._translate(NoCredentialsError(), "")
+        self._signing = (origin, parts.path[:-len(probe)], credentials, client.meta.region_name)
+        self._http = HttpClient(origin, limit=self.max_pool_connections,
+                                connect_timeout=self.options.connect_timeout)
+
+    async def send(self, method: str, key: str, query: dict[str, str], headers: dict[str, str], *,
+                   body: Buffer | None = None, sink: memoryview | None = None, if_absent: bool = False,
+                   on_data: Callable[[int], None] | None = None) -> Response:
+        """A data request on the fast path, signed with botocore's SigV4 signer; errors as fastckpt errors
+        (a 2xx answer is returned, a 206 or 200 with its body in ``sink``)."""
+        client = await self.client()
+        assert self._signing is not None and self._http is not None
+        origin, path, credentials, region = self._signing
+        target = path + quote(key, safe="/~")
+        if query:
+            target += "?" + "&".join(f"{k}={quote(v, safe='-_.~')}" for k, v in query.items())
+        request = AWSRequest(method=method, url=origin + target, headers=headers, data=body)
+        request.context["client_config"] = client.meta.config  # payload signing as the SDK would
+        try:
+            if credentials is not None:
+                S3SigV4Auth(await credentials.get_frozen_credentials(), "s3", region).add_auth(request)
+            resp = await self._http.request(method, target, dict(request.headers.items()), body=body, sink=sink,
+                                            on_data=on_data)
+        except (*_CLIENT_ERRORS, ProtocolError) as exc:
+            raise self._translate(exc, key, if_absent=if_absent) from exc
+        self._connected = True
+        if not 200 <= resp.status < 300 and resp.status != 416:
+            raise self._answer_error(resp, method, key, if_absent)
+        return resp
+
+    def _answer_error(self, resp: Response, method: str, key: str, if_absent: bool) -> StoreError:
+        """The fastckpt error for an S3 error answer (its XML Code and Message)."""
+        def field(name: str) -> str:
+            found = re.search(rf"<{name}>([^<]*)</{name}>".encode(), resp.body)
+            return found[1].decode("utf-8", "replace") if found else ""
+
+        error = {"Code": field("Code") or str(resp.status), "Message": field("Message")}
+        return self._translate(ClientError({"Error": error, "ResponseMetadata": {"HTTPStatusCode": resp.status}},
+                                           method), key, if_absent=if_absent)
+
     async def close(self) -> None:
         stack, self._stack, self._client = self._stack, None, None
+        http, self._http = self._http, None
+        if http is not None:
+            await http.close()
         if stack is not None:
             await stack.aclose()
 
@@ -367,6 +449,9 @@ class S3Store(Store):
                 cause, (aiohttp.ClientConnectorError, socket.gaierror))  # not a reset after connecting
             return unreachable("S3", self.endpoint, where, " ".join(str(cause).split()),
                                first_contact=refused and not self._connected)
+        if isinstance(exc, (ConnectionRefusedError, socket.gaierror)):  # connecting on the fast path
+            return unreachable("S3", self.endpoint, where, " ".join(str(exc).split()),
+                               first_contact=not self._connected)
         if isinstance(exc, (ReadTimeoutError, HTTPClientError, IncompleteReadError, aiohttp.ClientError,
                             asyncio.TimeoutError, ConnectionError)):
             return TransientStoreError(f"{where}: {type(exc).__name__} talking to {self.endpoint}")
@@ -407,6 +492,11 @@ class S3Store(Store):
         if length <= 0:
             await self.head(key)
             return b""
+        if self.fast:
+            buf = bytearray(length)
+            with memoryview(buf) as view:
+                n = await self._read_fast(key, start, view)
+            return bytes(buf[:n]) if n < length else bytes(buf)
         try:
             resp = await self._get(key, start, length)
         except _InvalidRange:
@@ -421,10 +511,12 @@ class S3Store(Store):
         return data[:length]
 
     async def read_into(self, key: str, start: int, buf: memoryview) -> int:
-        """Stream the range straight into ``buf`` (one copy, from the socket's chunks)."""
+        """Receive the range straight into ``buf`` (the fast path: no copy; else one copy from aiohttp's chunks)."""
         length = buf.nbytes
         if length == 0:
             return 0
+        if self.fast:
+            return await self._read_fast(key, start, buf)
         try:
             resp = await self._get(key, start, length)
         except _InvalidRange:
@@ -436,6 +528,24 @@ class S3Store(Store):
             raise self._translate(exc, key) from exc
         finally:
             body.close()
+
+    async def stream_into(self, key: str, start: int, buf: memoryview, on_data: Callable[[int], None]) -> int:
+        if not self.fast or not buf.nbytes:
+            return await super().stream_into(key, start, buf, on_data)
+        return await self._read_fast(key, start, buf, on_data)
+
+    async def _read_fast(self, key: str, start: int, buf: memoryview,
+                         on_data: Callable[[int], None] | None = None) -> int:
+        resp = await self.send("GET", key, {}, {"Range": f"bytes={start}-{start + buf.nbytes - 1}"}, sink=buf,
+                               on_data=on_data)
+        if resp.status == 416:  # the range starts at or past the end
+            return 0
+        if resp.status == 206 and resp.headers.get("content-range", "").startswith(f"bytes {start}-"):
+            return resp.received
+        if resp.status == 200 and not start:
+            return resp.received
+        raise StoreError(f"{self.where(key)}: endpoint {self.endpoint} ignored the Range header "
+                         f"(answered {resp.status} {resp.headers.get('content-range', '')})")
 
     async def _get(self, key: str, start: int, length: int) -> Any:
         resp = await self.call("get_object", key, Key=key, Range=f"bytes={start}-{start + length - 1}")
@@ -467,9 +577,15 @@ class S3Store(Store):
         self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None
     ) -> None:
         body, size = _body(data, self.copy_bodies)
-        params: dict[str, Any] = {"Key": key, "Body": body, "ContentLength": size, "Metadata": dict(metadata or {})}
-        if if_absent:
-            params.update(await self.if_absent_params(key))
+        condition = await self.if_absent_params(key) if if_absent else {}
+        if self.fast and all(_plain_header(k) and _plain_header(v) for k, v in (metadata or {}).items()):
+            headers = {f"x-amz-meta-{k}": v for k, v in (metadata or {}).items()}
+            if condition:
+                headers["If-None-Match"] = condition["IfNoneMatch"]
+            await self.send("PUT", key, {}, headers, body=body, if_absent=if_absent)
+            return
+        params: dict[str, Any] = {"Key": key, "Body": body, "ContentLength": size, "Metadata": dict(metadata or {}),
+                                  **condition}
         await self.call("put_object", key, if_absent=if_absent, **params)
 
     async def if_absent_params(self, key: str) -> dict[str, str]:
@@ -586,6 +702,8 @@ class S3Options:
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
     if_absent_mode: str = "auto"
+    http_data_path: bool = True
+    """Ranged GETs and PUTs through ``fastckpt.http`` (False: through aiobotocore, as every other request)."""
     expect_continue: bool = True
     """Send bodies of 1 MiB and more after ``100 Continue``: aiohttp then writes them from the pooled buffer
     (a request cancelled mid-body may leave it referenced: the pool never reuses a buffer after a failure)."""
@@ -609,6 +727,7 @@ class S3Options:
             read_timeout=float(env.get("FASTCKPT_S3_READ_TIMEOUT", "60")),
             if_absent_mode=env.get("FASTCKPT_S3_IF_ABSENT", "auto").strip().lower(),
             expect_continue=_truthy(env.get("FASTCKPT_S3_EXPECT_CONTINUE", "1")),
+            http_data_path=_truthy(env.get("FASTCKPT_HTTP_DATA_PATH", "1")),
         )
 
     def query(self) -> dict[str, str]:

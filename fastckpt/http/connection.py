@@ -1,0 +1,223 @@
+"""One HTTP/1.1 keep-alive connection whose bodies move between the socket and the caller's buffer.
+
+The response head is parsed by ``httptools`` (the C parser under uvloop and uvicorn). A 2xx body of known
+length bound for a caller's buffer is then received by the event loop straight into that buffer
+(``asyncio.BufferedProtocol``: no ``bytes`` object per socket read, no copy), and a request body is handed
+to the transport as a view of the caller's buffer (uvloop sends from it without copying). Other bodies
+(errors, chunked answers) go through the parser into a small ``bytearray``.
+
+A connection serves one request at a time. One that failed, was cancelled or saw anything unexpected is
+closed, never reused: a dying connection must not touch a buffer after its request returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import httptools
+
+SCRATCH = 64 << 10
+"""Bytes received per socket read while no caller's buffer takes them (heads, error bodies)."""
+MAX_BODY = 16 << 20
+"""Largest body accepted into memory (error answers, bodies without a caller's buffer)."""
+
+
+Body = bytes | bytearray | memoryview
+
+
+class ProtocolError(ConnectionError):
+    """The server broke HTTP/1.1 or the connection closed mid-message (retryable, like a reset)."""
+
+
+@dataclass
+class Response:
+    """A response: status, headers (lower-case names), the body when it was not read into a caller's
+    buffer, and how many body bytes went into that buffer."""
+
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    received: int = 0
+
+
+class Connection(asyncio.BufferedProtocol):
+    """The protocol of one keep-alive connection; ``request`` sends one request and awaits its response."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.used = False
+        """Whether a request completed on it (a reused connection may have been closed by the server)."""
+        self._scratch = memoryview(bytearray(SCRATCH))
+        self._parser: httptools.HttpResponseParser | None = None
+        self._done: asyncio.Future[None] | None = None
+        self._sink: memoryview | None = None
+        self._on_data: Callable[[int], None] | None = None
+        self._direct = False
+        self._expected = 0
+        self._got_any = False
+        self._reset_response()
+
+    def _reset_response(self) -> None:
+        self.response = Response(0)
+        self._headers: dict[str, str] = {}
+        self._name = b""
+        self._body = bytearray()
+        self._complete = False
+        self._keep_alive = False
+
+    # ----------------------------------------------------------------------------- asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._release_sink()
+        if self._done is not None and not self._done.done():
+            what = "reset" if exc else "closed by the server"
+            self._done.set_exception(ProtocolError(
+                f"connection {what} {'mid-response' if self._got_any else 'before any response'}"
+                + (f": {exc}" if exc else "")))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._direct and self._sink is not None:
+            return self._sink[self.response.received:]
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._got_any = True
+        if self._direct:
+            self.response.received += nbytes
+            if self._on_data is not None:
+                self._on_data(self.response.received)
+            if self.response.received >= self._expected:
+                self._finish()
+            return
+        if self._parser is None:  # bytes while no request is waiting: the stream is out of step
+            self.close()
+            return
+        try:
+            self._parser.feed_data(self._scratch[:nbytes])
+        except httptools.HttpParserError as exc:
+            self._fail(ProtocolError(f"malformed HTTP response: {exc}"))
+
+    def eof_received(self) -> bool:
+        return False
+
+    # ----------------------------------------------------------------------------- httptools callbacks
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name:
+            self._name = name
+            self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        else:  # a value continued in a second callback
+            key = self._name.decode("latin-1").lower()
+            self._headers[key] += value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        assert self._parser is not None
+        resp = self.response
+        resp.status = self._parser.get_status_code()
+        resp.headers = self._headers
+        self._keep_alive = self._parser.should_keep_alive()  # read now: the parser forgets it at the message's end
+        if 100 <= resp.status < 200:  # an interim answer (100 Continue): the real one follows
+            self._headers = {}
+            return
+        length = self._headers.get("content-length")
+        if (self._sink is not None and 200 <= resp.status < 300 and length is not None
+                and "transfer-encoding" not in self._headers):
+            self._expected = int(length)
+            if self._expected > len(self._sink):
+                self._fail(ProtocolError(f"server sent {self._expected} bytes for a {len(self._sink)}-byte range"))
+                return
+            self._direct = True
+            if self._expected == 0:
+                self._finish()
+
+    def on_body(self, body: bytes) -> None:
+        resp = self.response
+        if self._direct:  # the part of the body that came in the same read as the head
+            assert self._sink is not None
+            n = min(len(body), self._expected - resp.received)
+            self._sink[resp.received:resp.received + n] = body[:n]
+            resp.received += n
+            if self._on_data is not None:
+                self._on_data(resp.received)
+            if resp.received >= self._expected:
+                self._finish()
+        elif len(self._body) + len(body) > MAX_BODY:
+            self._fail(ProtocolError(f"response body over {MAX_BODY} bytes"))
+        else:
+            self._body += body
+
+    def on_message_complete(self) -> None:
+        if 100 <= self.response.status < 200:
+            return
+        if not self._direct:
+            self._finish()
+
+    # ----------------------------------------------------------------------------- requests
+
+    async def request(self, head: bytes, body: Sequence[Body] = (), sink: memoryview | None = None,
+                      on_data: Callable[[int], None] | None = None) -> Response:
+        """Send ``head`` (request line and headers) and the ``body`` pieces; the response, its 2xx body received into
+        ``sink`` when given (``Response.received`` bytes; ``on_data(n)`` is called on the loop each time the first
+        ``n`` bytes of ``sink`` are in; it must not raise), other bodies in ``Response.body``.
+
+        Raises ``ProtocolError`` (or the ``OSError`` of the socket) when the exchange breaks; the connection
+        is then closed. Cancelling closes it too.
+        """
+        if self.closed or self.transport is None:
+            raise ProtocolError("connection is closed")
+        self._reset_response()
+        self._parser = httptools.HttpResponseParser(self)
+        self._sink, self._on_data, self._direct, self._expected, self._got_any = sink, on_data, False, 0, False
+        self._done = self.loop.create_future()
+        try:
+            self.transport.writelines([head, *body])
+            await self._done
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self._done = None
+            self._release_sink()
+        resp = self.response
+        resp.body = bytes(self._body)
+        if not self._reusable():
+            self.close()
+        self._parser = None
+        self.used = True
+        return resp
+
+    def _reusable(self) -> bool:
+        return not self.closed and self._keep_alive and self._complete
+
+    def _finish(self) -> None:
+        self._complete = True
+        self._release_sink()
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
+
+    def _fail(self, exc: Exception) -> None:
+        self._release_sink()
+        if self._done is not None and not self._done.done():
+            self._done.set_exception(exc)
+        self.close()
+
+    def _release_sink(self) -> None:
+        """From here on nothing is received into the caller's buffer."""
+        if self._direct:
+            self._direct = False
+            self._expected = 0
+        self._sink = self._on_data = None
+
+    def close(self) -> None:
+        """Close the connection at once (buffered writes are dropped)."""
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()

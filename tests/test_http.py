@@ -1,0 +1,158 @@
+"""The HTTP data path (``fastckpt.http``) against a raw HTTP/1.1 server on 127.0.0.1 that misbehaves on demand:
+keep-alive reuse, idle connections the server closed, short bodies, oversized bodies, chunked error answers,
+cancellation mid-body, bodies sent from a caller's buffer."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+
+from fastckpt.http import HttpClient, ProtocolError
+
+DATA = os.urandom(3 << 20)
+
+
+class Server:
+    """Answers ``GET /data?start=S&end=E`` with DATA[S:E] (206), ``PUT /echo`` with the body's length and bytes
+    kept, ``GET /short`` with half the promised body then a close, ``GET /error`` with a chunked 503,
+    ``GET /stall`` with a head and 1 KiB of body then nothing; ``close_after`` closes each connection after
+    that many answers."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.close_after = 0
+        self.received: list[bytes] = []
+        self.stalled = asyncio.Event()
+        self.server: asyncio.Server | None = None
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        answered = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                line, *fields = head.decode("latin-1").split("\r\n")
+                method, target, _ = line.split(" ")
+                headers = {k.lower(): v.strip() for k, _, v in (f.partition(":") for f in fields if f)}
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                await self.answer(method, target, body, writer)
+                answered += 1
+                if self.close_after and answered >= self.close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def answer(self, method: str, target: str, body: bytes, writer: asyncio.StreamWriter) -> None:
+        path, _, query = target.partition("?")
+        if path == "/data":
+            args = dict(p.split("=") for p in query.split("&"))
+            part = DATA[int(args["start"]):int(args["end"])]
+            writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Length: %d\r\n\r\n" % len(part) + part)
+        elif path == "/echo":
+            self.received.append(body)
+            writer.write(b"HTTP/1.1 200 OK\r\nETag: \"%d\"\r\nContent-Length: 0\r\n\r\n" % len(body))
+        elif path == "/short":
+            writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 1000\r\n\r\n" + DATA[:500])
+            await writer.drain()
+            raise ConnectionError("cut short")
+        elif path == "/error":
+            writer.write(b"HTTP/1.1 503 Slow Down\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"5\r\n<Code\r\n10\r\n>SlowDown</Code>\r\n0\r\n\r\n")
+        elif path == "/stall":
+            writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 100000\r\n\r\n" + DATA[:1024])
+            await writer.drain()
+            self.stalled.set()
+            await asyncio.sleep(3600)
+        await writer.drain()
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[Server, HttpClient]]:
+    srv = Server()
+    srv.server = await asyncio.start_server(srv.handle, "127.0.0.1", 0)
+    port = srv.server.sockets[0].getsockname()[1]
+    client = HttpClient(f"http://127.0.0.1:{port}", limit=4)
+    yield srv, client
+    await client.close()
+    srv.server.close()
+
+
+async def test_ranged_gets_land_in_the_buffer_on_one_kept_alive_connection(server) -> None:
+    srv, client = server
+    for start, end in [(0, 1), (5, 70000), (1 << 20, 3 << 20)]:
+        buf = bytearray(end - start)
+        seen: list[int] = []
+        resp = await client.request("GET", f"/data?start={start}&end={end}", {}, sink=memoryview(buf),
+                                    on_data=seen.append)
+        assert resp.status == 206 and resp.received == end - start and bytes(buf) == DATA[start:end]
+        assert seen == sorted(seen) and seen[-1] == end - start
+    assert srv.connections == 1
+
+
+async def test_a_connection_the_server_closed_while_idle_is_replaced(server) -> None:
+    srv, client = server
+    srv.close_after = 1
+    for _ in range(3):
+        buf = bytearray(10)
+        resp = await client.request("GET", "/data?start=0&end=10", {}, sink=memoryview(buf))
+        assert resp.status == 206 and bytes(buf) == DATA[:10]
+        await asyncio.sleep(0.05)  # the server's close arrives while the connection sits idle
+    assert srv.connections == 3
+
+
+async def test_short_body_raises_and_the_connection_is_not_reused(server) -> None:
+    srv, client = server
+    buf = bytearray(1000)
+    with pytest.raises(ProtocolError, match="mid-response"):
+        await client.request("GET", "/short", {}, sink=memoryview(buf))
+    resp = await client.request("GET", "/data?start=0&end=4", {}, sink=memoryview(bytearray(4)))
+    assert resp.status == 206 and srv.connections == 2
+
+
+async def test_more_bytes_than_the_buffer_holds_is_an_error(server) -> None:
+    _, client = server
+    with pytest.raises(ProtocolError, match="server sent 100 bytes for a 10-byte range"):
+        await client.request("GET", "/data?start=0&end=100", {}, sink=memoryview(bytearray(10)))
+
+
+async def test_error_answers_keep_their_body_out_of_the_buffer(server) -> None:
+    _, client = server
+    buf = bytearray(b"untouched")
+    resp = await client.request("GET", "/error", {}, sink=memoryview(buf))
+    assert resp.status == 503 and resp.body == b"<Code>SlowDown</Code>" and resp.received == 0
+    assert buf == b"untouched"
+
+
+async def test_cancelled_read_closes_and_never_writes_the_buffer_again(server) -> None:
+    srv, client = server
+    buf = bytearray(100000)
+    task = asyncio.ensure_future(client.request("GET", "/stall", {}, sink=memoryview(buf)))
+    await asyncio.wait_for(srv.stalled.wait(), 10)
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert bytes(buf[:1024]) == DATA[:1024]
+    buf[:] = bytes(len(buf))
+    await asyncio.sleep(0.1)
+    assert not any(buf)  # the closed connection wrote nothing more
+    resp = await client.request("GET", "/data?start=0&end=4", {}, sink=memoryview(bytearray(4)))
+    assert resp.status == 206 and srv.connections == 2
+
+
+async def test_put_sends_a_view_of_the_callers_buffer(server) -> None:
+    srv, client = server
+    resp = await client.request("PUT", "/echo", {"X-Test": "1"}, body=memoryview(DATA)[7:(2 << 20) + 7])
+    assert resp.status == 200 and resp.headers["etag"] == f'"{2 << 20}"'
+    assert srv.received == [DATA[7:(2 << 20) + 7]]
+
+
+def test_header_injection_is_refused() -> None:
+    client = HttpClient("http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="line break"):
+        asyncio.run(client.request("GET", "/x", {"X-Bad": "a\r\nHost: evil"}))
