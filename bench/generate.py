@@ -230,12 +230,30 @@ def plan_checkpoint(size: int, *, ranks: int = 4, model_shards: int = 4) -> Chec
     return CheckpointPlan(shape, ranks, tuple(files))
 
 
-def generate(out_dir: str, size: int, *, ranks: int = 4, model_shards: int = 4, seed: int = 0) -> CheckpointPlan:
-    """Write a synthetic checkpoint of about ``size`` bytes into ``out_dir`` (created; must be empty)."""
+SMALL_FILE_RANGE = (16 << 10, 1 << 20)
+"""Sizes of the many-small-files layout: log-uniform between these (optimizer shards, DCP-style layouts)."""
+
+
+def plan_small_files(count: int, seed: int = 0) -> CheckpointPlan:
+    """``count`` files of 16 KiB-1 MiB (log-uniform, so most are small), 500 per directory, named as
+    torch.distributed.checkpoint names its shards; about 240 KiB each on average."""
+    import random
+
+    rng = random.Random(seed)
+    low, high = (math.log(x) for x in SMALL_FILE_RANGE)
+    files = tuple(FilePlan(f"shards/{i // 500:02d}/__{i}_0.distcp", random_size=int(math.exp(rng.uniform(low, high))))
+                  for i in range(count))
+    return CheckpointPlan(scaled_shape(1), 1, files)
+
+
+def generate(out_dir: str, size: int, *, ranks: int = 4, model_shards: int = 4, seed: int = 0,
+             plan: CheckpointPlan | None = None) -> CheckpointPlan:
+    """Write a synthetic checkpoint of about ``size`` bytes (or the files of ``plan``) into ``out_dir``
+    (created; must be empty)."""
     os.makedirs(out_dir, exist_ok=True)
     if os.listdir(out_dir):
         raise FileExistsError(f"{out_dir} is not empty")
-    plan = plan_checkpoint(size, ranks=ranks, model_shards=model_shards)
+    plan = plan or plan_checkpoint(size, ranks=ranks, model_shards=model_shards)
     rnd = RandomWriter(seed)
     for fp in plan.files:
         path = os.path.join(out_dir, *fp.rel.split("/"))

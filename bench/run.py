@@ -179,13 +179,17 @@ class Session:
             yield
 
     def checkpoint(self, size: int) -> str:
-        """The synthetic checkpoint of ``size`` (generated once per work directory and seed)."""
-        path = os.path.join(self.workdir, f"ckpt-{size_label(size)}-s{self.args.seed}")
+        """The synthetic checkpoint of ``size`` (or of ``--files`` small files), generated once per work
+        directory and seed."""
+        files = getattr(self.args, "files", 0)
+        path = os.path.join(self.workdir, f"files-{files}-s{self.args.seed}" if files else
+                            f"ckpt-{size_label(size)}-s{self.args.seed}")
         marker = path + ".done"
         if not os.path.exists(marker):
             shutil.rmtree(path, ignore_errors=True)
             t0 = time.perf_counter()
-            plan = generate.generate(path, size, seed=self.args.seed)
+            plan = generate.generate(path, size, seed=self.args.seed,
+                                     plan=generate.plan_small_files(files, self.args.seed) if files else None)
             _log(f"generated {plan.total_bytes / MiB:.0f} MiB in {len(plan.files)} files at {path} "
                  f"({time.perf_counter() - t0:.1f} s)")
             with open(marker, "w") as f:
@@ -354,7 +358,8 @@ def cmd_transfer(args: argparse.Namespace, target: str) -> dict[str, Any]:
             for size in [parse_size(s) for s in args.size.split(",")]:
                 ckpt = session.checkpoint(size)
                 manifest = verify.scan(ckpt)
-                nbytes, label = sum(e.size for e in manifest.values()), size_label(size)
+                nbytes = sum(e.size for e in manifest.values())
+                label = f"{args.files}files" if args.files else size_label(size)
                 ref = _reference(session, ckpt, manifest, label, nbytes)
                 for rnd in range(args.rounds):
                     for direction in ("upload", "download"):
@@ -450,6 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--keep-data", action="store_true", help="keep generated data and outputs")
         p.add_argument("--out", default=os.path.join(REPO, "bench", "results"), help="results directory")
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--files", type=int, default=0,
+                       help="instead of an LLM checkpoint: this many files of 16 KiB-1 MiB (--size is ignored)")
         p.add_argument("--timeout", type=float, help="seconds per run (default: enough for 10 MiB/s)")
 
     p = sub.add_parser("local", help="local filesystem: fastckpt vs cp, pyarrow copy_files, torch.save")

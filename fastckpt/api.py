@@ -78,8 +78,8 @@ async def download_async(
             if os.path.isfile(dst):
                 raise NotADirectoryError(f"destination {dst} is a file, but {source.raw} is a directory")
             found = await transfer.keys_below(source.key)
-            pairs = list(zip([k for k, _ in found], paths_below(dst, [rel for _, rel in found]), strict=True))
-            return await transfer.download_files(pairs)
+            pairs = list(zip([k for k, _, _ in found], paths_below(dst, [rel for _, rel, _ in found]), strict=True))
+            return await transfer.download_files(pairs, sizes={k: size for k, _, size in found})
         finally:
             transfer.close()
 

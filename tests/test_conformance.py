@@ -255,3 +255,21 @@ async def test_engine_create_if_absent(store, tmp_path, size: str) -> None:
     assert (tmp_path / "down").read_bytes() == src.read_bytes()
     assert down.digest == first.digest
     assert [u for u in await s.list_pending_uploads(uri.key) if u.key == uri.join("once")] == []
+
+
+async def test_read_with_meta(store) -> None:
+    """The object's metadata with its first bytes (one request where the backend can): whole when it fits,
+    a prefix and the true size when it does not, nothing for an empty object."""
+    s, uri = store
+    await s.put(uri.join("rwm/small"), b"0123456789", metadata={"fastckpt-k": "v"})
+    await s.put(uri.join("rwm/empty"), b"")
+    buf = bytearray(16)
+    meta, n = await s.read_with_meta(uri.join("rwm/small"), memoryview(buf))
+    assert (meta.size, n, bytes(buf[:n])) == (10, 10, b"0123456789")
+    assert meta.metadata.get("fastckpt-k") == "v" and meta.key == uri.join("rwm/small")
+    meta, n = await s.read_with_meta(uri.join("rwm/small"), memoryview(buf)[:4])
+    assert meta.size == 10 and n in (0, 4) and bytes(buf[:n]) == b"0123"[:n]
+    meta, n = await s.read_with_meta(uri.join("rwm/empty"), memoryview(buf))
+    assert (meta.size, n) == (0, 0)
+    with pytest.raises(ObjectNotFoundError):
+        await s.read_with_meta(uri.join("rwm/missing"), memoryview(buf))

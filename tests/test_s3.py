@@ -454,6 +454,27 @@ async def test_client_settings_and_knobs(s3_uri: str, monkeypatch, tmp_path, kno
         await store.close()
 
 
+async def test_small_files_come_down_in_one_request_each(s3, tmp_path) -> None:
+    """A directory of small objects: each object comes with its metadata in its GET, no HEAD per object."""
+    store, uri = s3
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(5):
+        (src / f"g{i}").write_bytes(os.urandom(2000 + i))
+    base = uri.raw.split("?")[0] + "/up"
+    query = "?" + uri.raw.split("?")[1]
+    await fastckpt.upload_async(str(src), base + query, config=small_config())
+    transfer = Transfer(store, small_config())
+    found = await transfer.keys_below(uri.join("up"))
+    heads, gets = record_data_path(store, "HEAD"), record_data_path(store, "GET")
+    results = await transfer.download_files([(k, str(tmp_path / "out" / rel)) for k, rel, _ in found],
+                                            sizes={k: size for k, _, size in found})
+    transfer.close()
+    assert len(results) == 5 and all((tmp_path / "out" / f"g{i}").read_bytes() == (src / f"g{i}").read_bytes()
+                                     for i in range(5))
+    assert (len(heads), len(gets)) == (0, 5)
+
+
 async def test_list_pagination_and_batched_deletes(s3) -> None:
     store, uri = s3
     client = await store.client()
@@ -464,11 +485,12 @@ async def test_list_pagination_and_batched_deletes(s3) -> None:
 
     for op in calls:
         client.meta.events.register(f"before-call.s3.{op}", count)
+    heads = record_data_path(store, "HEAD")  # HEADs take the HTTP data path
     keys = [uri.join(f"p/{i:02d}") for i in range(7)]
     await asyncio.gather(*(store.put(k, b"x") for k in keys))
     store.inner.page_size = 2  # the backend behind the retry layer
     assert [m.key async for m in store.list(uri.join("p"))] == keys
-    assert (calls["HeadObject"], calls["ListObjectsV2"]) == (1, 4)  # the exact key, then four pages of two
+    assert (len(heads), calls["ListObjectsV2"]) == (1, 4)  # the exact key, then four pages of two
     objects, dirs = await store.list_dir(uri.key)
     assert objects == [] and dirs == [uri.join("p")]
     absent = [uri.join(f"gone/{i}") for i in range(2500 - len(keys))]

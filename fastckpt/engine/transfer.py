@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..config import TransferConfig
 from ..errors import AlreadyExistsError, IntegrityError, ObjectNotFoundError, StoreError
-from ..integrity import FileDigest, combine, hash_chunks, read_and_hash, read_exact
+from ..integrity import FileDigest, combine, hash_chunks, read_and_hash, read_exact, write_at
 from ..stores.base import MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
 from ..stores.local import partial_path
 from ..stores.retry import retrying
@@ -243,67 +243,84 @@ class Transfer:
 
     # ----------------------------------------------------------------------------- downloads
 
-    async def download_files(self, pairs: list[tuple[str, str]], expected: dict[str, FileDigest] | None = None
-                             ) -> list[FileResult]:
-        """Download ``(key, local path)`` pairs concurrently; digests from ``expected`` or metadata."""
-        expected = expected or {}
+    async def download_files(self, pairs: list[tuple[str, str]], expected: dict[str, FileDigest] | None = None,
+                             sizes: dict[str, int] | None = None) -> list[FileResult]:
+        """Download ``(key, local path)`` pairs concurrently; digests from ``expected`` or metadata. ``sizes``
+        (from a listing) let an object of one part come with its metadata in a single request."""
+        expected, sizes = expected or {}, sizes or {}
         failed = asyncio.Event()  # set when one file failed: the others are then cancelled, not interrupted
-        return await gather_all((self._download(k, p, expected.get(k), failed) for k, p in pairs), failed)
+        return await gather_all((self._download(k, p, expected.get(k), sizes.get(k), failed) for k, p in pairs),
+                                failed)
 
     async def download_file(self, key: str, path: str, expected: FileDigest | None = None) -> FileResult:
         """Download one object to ``path`` (written beside it, verified, then renamed into place)."""
         return (await self.download_files([(key, path)], {key: expected} if expected else None))[0]
 
-    async def _download(self, key: str, path: str, expected: FileDigest | None, failed: asyncio.Event
-                        ) -> FileResult:
+    async def _download(self, key: str, path: str, expected: FileDigest | None, size: int | None,
+                        failed: asyncio.Event) -> FileResult:
         async with self._files:
-            meta = await self.store.head(key)
-            if expected is None and self.config.verify:
-                expected = FileDigest.from_metadata(meta.size, meta.metadata)
-            if expected is not None and expected.size != meta.size:
-                raise IntegrityError(f"{key}: size is {meta.size}, its record says {expected.size}")
-            plan = plan_download(meta.size, expected.chunk_size if expected else None, self.config)
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("download %s -> %s: %d bytes, %d part(s) of %d", self.store.uri(key), path, plan.size,
-                          plan.count, plan.part_size)
-            self.progress.expect(meta.size)
-            if os.path.isdir(path):
-                raise IsADirectoryError(f"destination {path} is a directory")
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            chunk = expected.chunk_size if expected else plan.part_size
-            tmp, fd, journal = self._partial(key, path, meta, expected, plan, chunk)
+            size = expected.size if expected is not None else size
+            if size is not None and 0 < size <= self.config.part_size:  # one GET: the object and its metadata
+                async with self.pool.buffer(size) as buf:
+                    meta, n = await self.store.read_with_meta(key, buf)
+                    if n == meta.size:
+                        return await self._write(key, path, meta, expected, failed, buf[:n])
+            return await self._write(key, path, await self.store.head(key), expected, failed)
+
+    async def _write(self, key: str, path: str, meta: ObjectMeta, expected: FileDigest | None, failed: asyncio.Event,
+                     data: memoryview | None = None) -> FileResult:
+        """Write object ``key`` (``meta``) to ``path`` through a hidden partial file, verified, then renamed into
+        place: its bytes fetched part by part, or ``data`` when they are in memory already."""
+        if expected is None and self.config.verify:
+            expected = FileDigest.from_metadata(meta.size, meta.metadata)
+        if expected is not None and expected.size != meta.size:
+            raise IntegrityError(f"{key}: size is {meta.size}, its record says {expected.size}")
+        plan = plan_download(meta.size, expected.chunk_size if expected else None, self.config)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("download %s -> %s: %d bytes, %d part(s) of %d", self.store.uri(key), path, plan.size,
+                      plan.count, plan.part_size)
+        self.progress.expect(meta.size)
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"destination {path} is a directory")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        chunk = expected.chunk_size if expected else plan.part_size
+        tmp, fd, journal = self._partial(key, path, meta, expected, plan, chunk, data is None)
+        try:
             try:
-                try:
+                if data is not None:
+                    digests = await off_loop(_hash_and_write, fd, data, chunk)
+                    self.progress.advance(len(data))
+                else:
                     writer = threading.Lock()  # one pwrite at a time per file (see engine.sink)
                     parts = await gather_all(self._fetch_part(key, fd, writer, plan, i, chunk, journal)
                                              for i in range(plan.count))
                     digests = [d for part in parts for d in part]
-                    if expected is not None:
-                        expected.check(digests, f"{key} (downloaded to {path})")
-                    if self.config.fsync:
-                        await off_loop(os.fsync, fd)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, path)
-            except BaseException as exc:
-                if journal is not None and isinstance(exc, asyncio.CancelledError) and not failed.is_set():
-                    journal.close()  # interrupted: kept, the same download run again continues from the journal
-                    raise
-                if journal is not None:
-                    journal.remove()
-                try:
-                    os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
-                if isinstance(exc, OSError) and exc.errno and not exc.filename and not isinstance(exc, StoreError):
-                    raise OSError(exc.errno, f"{exc.strerror} (downloading {key})", path) from exc  # e.g. ENOSPC
+                if expected is not None:
+                    expected.check(digests, f"{key} (downloaded to {path})")
+                if self.config.fsync:
+                    await off_loop(os.fsync, fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException as exc:
+            if journal is not None and isinstance(exc, asyncio.CancelledError) and not failed.is_set():
+                journal.close()  # interrupted: kept, the same download run again continues from the journal
                 raise
             if journal is not None:
                 journal.remove()
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            if isinstance(exc, OSError) and exc.errno and not exc.filename and not isinstance(exc, StoreError):
+                raise OSError(exc.errno, f"{exc.strerror} (downloading {key})", path) from exc  # e.g. ENOSPC
+            raise
+        if journal is not None:
+            journal.remove()
         return FileResult(key, path, FileDigest(meta.size, chunk, combine(digests)))
 
     def _partial(self, key: str, path: str, meta: ObjectMeta, expected: FileDigest | None, plan: Plan,
-                 chunk: int) -> tuple[str, int, Journal | None]:
+                 chunk: int, resumable: bool = True) -> tuple[str, int, Journal | None]:
         """The hidden partial file a download of ``key`` to ``path`` writes (open, locked) and, for a
         multipart download with ``resume`` on, its journal (loaded when a killed run left one).
 
@@ -320,7 +337,7 @@ class Transfer:
         except OSError:  # a filesystem without locks (some NFS mounts): go on unlocked
             pass
         journal = None
-        if self.config.resume and plan.count > 1:
+        if self.config.resume and resumable and plan.count > 1:
             journal = Journal(journal_path, {"uri": self.store.uri(key), "size": meta.size, "etag": meta.etag,
                                              "mtime": meta.mtime, "digest": expected.digest if expected else None,
                                              "chunk": chunk, "part_size": plan.part_size})
@@ -385,8 +402,8 @@ class Transfer:
 
     # ----------------------------------------------------------------------------- listings
 
-    async def keys_below(self, prefix: str) -> list[tuple[str, str]]:
-        """(key, path relative to ``prefix``) of every object below ``prefix``; error when none."""
+    async def keys_below(self, prefix: str) -> list[tuple[str, str, int]]:
+        """(key, path relative to ``prefix``, size) of every object below ``prefix``; error when none."""
         prefix = prefix.strip("/")
         found = []
         async for meta in self.store.list(prefix):
@@ -395,10 +412,17 @@ class Transfer:
                 continue
             if any(part in ("", ".", "..") for part in rel.split("/")):
                 raise StoreError(f"refusing unsafe object name {meta.key!r}")
-            found.append((meta.key, rel))
+            found.append((meta.key, rel, meta.size))
         if not found:
             raise ObjectNotFoundError(f"nothing found below {prefix!r} in {self.store.name}")
         return found
+
+
+def _hash_and_write(fd: int, data: memoryview, chunk: int) -> list[bytes]:
+    """Chunk digests of ``data``, which is then written at the start of ``fd``."""
+    digests = hash_chunks(data, chunk)
+    write_at(fd, 0, data)
+    return digests
 
 
 def _read_and_hash_chunks(fd: int, offset: int, buf: memoryview, chunk: int) -> list[bytes]:

@@ -62,7 +62,7 @@ class HttpClient:
                 conn = await self._connection()
                 reused = conn.used
                 try:
-                    resp = await conn.request(head, pieces, sink, on_data)
+                    resp = await conn.request(head, pieces, sink, on_data, head_only=method == "HEAD")
                 except ProtocolError as exc:
                     if attempt == 0 and reused and "before any response" in str(exc):
                         continue  # the server had closed it while idle

@@ -56,6 +56,7 @@ class Connection(asyncio.BufferedProtocol):
         self._done: asyncio.Future[None] | None = None
         self._sink: memoryview | None = None
         self._on_data: Callable[[int], None] | None = None
+        self._head_only = False
         self._direct = False
         self._expected = 0
         self._got_any = False
@@ -127,6 +128,9 @@ class Connection(asyncio.BufferedProtocol):
         if 100 <= resp.status < 200:  # an interim answer (100 Continue): the real one follows
             self._headers = {}
             return
+        if self._head_only:  # the answer to a HEAD: its Content-Length describes no body that follows
+            self._finish()
+            return
         length = self._headers.get("content-length")
         if (self._sink is not None and 200 <= resp.status < 300 and length is not None
                 and "transfer-encoding" not in self._headers):
@@ -163,10 +167,11 @@ class Connection(asyncio.BufferedProtocol):
     # ----------------------------------------------------------------------------- requests
 
     async def request(self, head: bytes, body: Sequence[Body] = (), sink: memoryview | None = None,
-                      on_data: Callable[[int], None] | None = None) -> Response:
+                      on_data: Callable[[int], None] | None = None, *, head_only: bool = False) -> Response:
         """Send ``head`` (request line and headers) and the ``body`` pieces; the response, its 2xx body received into
         ``sink`` when given (``Response.received`` bytes; ``on_data(n)`` is called on the loop each time the first
-        ``n`` bytes of ``sink`` are in; it must not raise), other bodies in ``Response.body``.
+        ``n`` bytes of ``sink`` are in; it must not raise), other bodies in ``Response.body``. ``head_only``: the
+        request was a HEAD (the answer ends with its headers).
 
         Raises ``ProtocolError`` (or the ``OSError`` of the socket) when the exchange breaks; the connection
         is then closed. Cancelling closes it too.
@@ -176,6 +181,7 @@ class Connection(asyncio.BufferedProtocol):
         self._reset_response()
         self._parser = httptools.HttpResponseParser(self)
         self._sink, self._on_data, self._direct, self._expected, self._got_any = sink, on_data, False, 0, False
+        self._head_only = head_only
         self._done = self.loop.create_future()
         try:
             self.transport.writelines([head, *body])

@@ -147,6 +147,14 @@ class Store(abc.ABC):
         buf[: len(data)] = data
         return len(data)
 
+    async def read_with_meta(self, key: str, buf: memoryview) -> tuple[ObjectMeta, int]:
+        """The object's metadata and as much of it as ``buf`` holds, from its start (the byte count); one request
+        where the backend answers a read with the object's metadata (a whole small file, no HEAD first)."""
+        meta = await self.head(key)
+        if not 0 < meta.size <= len(buf):
+            return meta, 0
+        return meta, await self.read_into(key, 0, buf[:meta.size])
+
     async def stream_into(self, key: str, start: int, buf: memoryview, on_data: Callable[[int], None]) -> int:
         """``read_into``, calling ``on_data(n)`` (on the loop; it must not raise) as the first ``n`` bytes of
         ``buf`` are in, so the caller can work on them while the rest arrives. A backend that cannot tell

@@ -138,6 +138,9 @@ class RetryingStore(Store):
     async def read_into(self, key: str, start: int, buf: memoryview) -> int:
         return await self._retry_data(f"read of {key}", buf.nbytes, lambda: self.inner.read_into(key, start, buf))
 
+    async def read_with_meta(self, key: str, buf: memoryview) -> tuple[ObjectMeta, int]:
+        return await self._retry_data(f"read of {key}", buf.nbytes, lambda: self.inner.read_with_meta(key, buf))
+
     async def stream_into(self, key: str, start: int, buf: memoryview, on_data: Callable[[int], None]) -> int:
         return await self._retry_data(f"read of {key}", buf.nbytes,
                                       lambda: self.inner.stream_into(key, start, buf, on_data))
