@@ -203,3 +203,40 @@ async def test_slow_body_is_hashed_and_written_while_it_arrives(tmp_path) -> Non
         os.close(fd)
     assert written == [0, SLICE, 2 * SLICE, 2 * SLICE, 3 * SLICE]  # whole slices, as they arrived
     assert digests == hash_chunks(data, 2 * SLICE) and path.read_bytes() == data
+
+
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_copy_and_hash_copies_and_hashes_what_it_wrote(tmp_path, monkeypatch, in_kernel: bool) -> None:
+    """Local copies go through ``copy_file_range`` and a mapping of the target, or, where the kernel cannot
+    copy, through a small buffer: the same bytes and the same chunk digests either way, at any offset."""
+    import threading
+
+    from fastckpt.engine.sink import SLICE, copy_and_hash
+    from fastckpt.integrity import hash_chunks
+
+    if not in_kernel:
+        monkeypatch.delattr(os, "copy_file_range", raising=False)
+    data = os.urandom(3 * SLICE + 4099)
+    (tmp_path / "src").write_bytes(data)
+    fd = os.open(tmp_path / "dst", os.O_RDWR | os.O_CREAT)
+    try:
+        offset, length = 5000, len(data) - 5000  # not page-aligned
+        digests = copy_and_hash(str(tmp_path / "src"), offset, length, fd, threading.Lock(), SLICE + 7)
+        with pytest.raises(EOFError):
+            copy_and_hash(str(tmp_path / "src"), len(data) - 10, 20, fd, threading.Lock(), 20)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "dst").read_bytes()[offset:offset + length] == data[offset:]
+    assert digests == hash_chunks(data[offset:], SLICE + 7)
+
+
+async def test_local_store_round_trip_uses_no_pooled_buffer(tmp_path) -> None:
+    """Files into and out of a local store are copied file to file: no part goes through the buffer pool."""
+    data = os.urandom(5 * (256 << 10) + 3)
+    (tmp_path / "f").write_bytes(data)
+    transfer = Transfer(LocalStore(str(tmp_path / "store")), small_config())
+    up = await transfer.upload_file(str(tmp_path / "f"), "k")
+    down = await transfer.download_file("k", str(tmp_path / "back"))
+    assert transfer.pool.allocated == 0
+    transfer.close()
+    assert (tmp_path / "back").read_bytes() == data and up.digest == down.digest

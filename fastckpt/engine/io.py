@@ -56,8 +56,19 @@ def io_executor() -> ThreadPoolExecutor:
 
 
 async def off_loop(fn: Callable[..., T], *args: object) -> T:
-    """Run blocking ``fn(*args)`` (file I/O, hashing) on the I/O threads, not the event loop."""
-    return await asyncio.get_running_loop().run_in_executor(_IO, functools.partial(fn, *args))
+    """Run blocking ``fn(*args)`` (file I/O, hashing) on the I/O threads, not the event loop.
+
+    A cancelled caller still waits for ``fn`` to end before the cancellation goes on: a thread cannot be
+    stopped, and the file descriptors and buffers it uses are closed or released by the caller's clean-up.
+    """
+    job = asyncio.get_running_loop().run_in_executor(_IO, functools.partial(fn, *args))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await asyncio.wait([job])
+        if not job.cancelled():
+            job.exception()  # seen: the cancellation is what propagates
+        raise
 
 
 def local_files(src: str) -> list[tuple[str, str]]:

@@ -10,13 +10,76 @@ parts of one file from writing at once, which makes the kernel spin on the inode
 from __future__ import annotations
 
 import asyncio
+import errno
+import mmap
+import os
 import threading
 
-from ..integrity import ChunkHasher, write_at
+from ..integrity import ChunkHasher, read_exact, write_at
 from .io import io_executor
 
 SLICE = 1 << 20
 """Bytes hashed and written per step."""
+_scratch = threading.local()
+_PAGE = mmap.ALLOCATIONGRANULARITY
+_NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
+
+
+def copy_and_hash(src: str | int, offset: int, length: int, fd: int, writer: threading.Lock, chunk: int
+                  ) -> list[bytes]:
+    """On an I/O thread: copy ``length`` bytes at ``offset`` of local file ``src`` (a path, or an open file
+    descriptor) to the same offset of ``fd``, slice by slice, and hash what was written; the chunk digests.
+    EOFError when ``src`` is shorter.
+
+    Each slice is copied inside the kernel (``copy_file_range``, what ``cp`` does) and hashed from a mapping of
+    the file it was written to, while its pages are in the CPU's cache: the bytes never cross into a buffer of
+    ours. Where the kernel cannot copy between the two files, a small buffer is read, hashed and written.
+    """
+    hasher = ChunkHasher(chunk)
+    src_fd = os.open(src, os.O_RDONLY) if isinstance(src, str) else src
+    try:
+        in_kernel = hasattr(os, "copy_file_range")
+        for pos in range(offset, offset + length, SLICE):
+            size = min(SLICE, offset + length - pos)
+            if in_kernel:
+                try:
+                    with writer:
+                        _copy_range(src_fd, fd, pos, size)
+                    _hash_mapped(fd, pos, size, hasher)
+                    continue
+                except OSError as exc:
+                    if exc.errno not in _NO_COPY_RANGE:
+                        raise
+                    in_kernel = False
+            buf = getattr(_scratch, "buf", None)
+            if buf is None:
+                buf = _scratch.buf = memoryview(bytearray(SLICE))
+            view = buf[:size]
+            read_exact(src_fd, pos, view)
+            hasher.update(view)
+            with writer:
+                write_at(fd, pos, view)
+    finally:
+        if isinstance(src, str):
+            os.close(src_fd)
+    return hasher.finish()
+
+
+def _copy_range(src_fd: int, fd: int, pos: int, size: int) -> None:
+    done = 0
+    while done < size:
+        n = os.copy_file_range(src_fd, fd, size - done, pos + done, pos + done)
+        if n == 0:
+            raise EOFError(f"end of the source file at byte {pos + done}")
+        done += n
+
+
+def _hash_mapped(fd: int, pos: int, size: int, hasher: ChunkHasher) -> None:
+    """Hash ``size`` bytes at ``pos`` of ``fd`` through a read-only mapping (no copy out of the page cache)."""
+    start = pos - pos % _PAGE
+    with mmap.mmap(fd, size + pos - start, prot=mmap.PROT_READ, offset=start,
+                   flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as mapped, memoryview(mapped) as view:
+        hasher.update(view[pos - start:])
 
 
 class PartSink:
@@ -30,12 +93,13 @@ class PartSink:
         self._arrived = 0
         self._job: asyncio.Future[int] | None = None
         self._failed: BaseException | None = None
+        self._closed = False
 
     def on_data(self, n: int) -> None:
         """The first ``n`` bytes of ``buf`` are in (a retried request reports from 0 again: those bytes are the
         same ones, already handled)."""
         self._arrived = max(self._arrived, n)
-        if self._job is None and self._failed is None and self._arrived - self._done >= SLICE:
+        if self._job is None and self._failed is None and not self._closed and self._arrived - self._done >= SLICE:
             self._start(self._done + (self._arrived - self._done) // SLICE * SLICE)
 
     def _start(self, end: int) -> None:
@@ -60,8 +124,14 @@ class PartSink:
         view.release()
         return end
 
+    async def close(self) -> None:
+        """Start nothing more (a late report is ignored) and wait for the slice being worked on: then no thread
+        touches the buffer or the file for this part."""
+        self._closed = True
+        await self.settle()
+
     async def settle(self) -> None:
-        """Wait for the slice being worked on (before the file is closed or the buffer reused)."""
+        """Wait for the slice being worked on."""
         while self._job is not None:
             await asyncio.wait([self._job])
 

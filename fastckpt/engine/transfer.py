@@ -20,7 +20,7 @@ from .journal import Journal, resumable_paths, state_dir
 from .plan import Plan, plan_download, plan_upload
 from .pool import BufferPool
 from .progress import Progress, ProgressCallback
-from .sink import PartSink
+from .sink import PartSink, copy_and_hash
 from .tasks import gather_all
 
 log = logging.getLogger("fastckpt")
@@ -47,6 +47,8 @@ class Transfer:
         self.pool = BufferPool(self.config.part_size, self.config.max_in_flight)
         self.progress = Progress(progress)
         self._files = asyncio.Semaphore(self.config.max_open_files)
+        self._local_copies = asyncio.Semaphore(max(2, min(self.config.max_in_flight, os.cpu_count() or 2)))
+        """Parts copied from a local file at once: each keeps a core busy (more only switch between threads)."""
 
     def close(self) -> None:
         """Release pooled buffers."""
@@ -151,7 +153,8 @@ class Transfer:
             if journal is not None:
                 journal.start(upload_id=mpu.upload_id)
         try:
-            results = await gather_all(self._send_part(fd, plan, i, mpu, journal) for i in range(plan.count))
+            writer = threading.Lock()  # parts written into one local file: one at a time (see engine.sink)
+            results = await gather_all(self._send_part(fd, plan, i, mpu, journal, writer) for i in range(plan.count))
             digest = FileDigest(plan.size, plan.part_size, combine([d for _, d in results]))
             if pre is not None and pre.digest != digest.digest:
                 raise IntegrityError(f"{path} changed while it was being uploaded to {key}")
@@ -216,9 +219,17 @@ class Transfer:
         except Exception as exc:
             log.warning("could not abort the multipart upload of %s: %s", mpu.key, exc)
 
-    async def _send_part(self, fd: int, plan: Plan, index: int, mpu: MultipartUpload,
-                         journal: Journal | None) -> tuple[PartInfo, bytes]:
+    async def _send_part(self, fd: int, plan: Plan, index: int, mpu: MultipartUpload, journal: Journal | None,
+                         writer: threading.Lock) -> tuple[PartInfo, bytes]:
         offset, length = plan.part(index)
+        target = mpu.local_fd()
+        if target is not None and not (journal is not None and journal.resumed):  # a local file: copied directly
+            async with self._local_copies:
+                [digest] = await off_loop(copy_and_hash, fd, offset, length, target, writer, length)
+            if journal is not None:
+                journal.record(index, token="", digest=digest.hex())
+            self.progress.advance(length)
+            return PartInfo(index, length), digest
         async with self.pool.buffer(length) as buf:
             digest = await off_loop(read_and_hash, fd, offset, buf)
             done = journal.parts.get(index) if journal is not None and journal.resumed else None
@@ -354,8 +365,20 @@ class Transfer:
     async def _fetch_part(self, key: str, fd: int, writer: threading.Lock, plan: Plan, index: int, chunk: int,
                           journal: Journal | None) -> list[bytes]:
         offset, length = plan.part(index)
+        done = journal.parts.get(index) if journal is not None and journal.resumed else None
+        source = self.store.local_file(key)
+        if source is not None and done is None:  # a local file: copied slice by slice, no pooled buffer
+            try:
+                async with self._local_copies:
+                    digests = await off_loop(copy_and_hash, source, offset, length, fd, writer, chunk)
+            except EOFError:
+                raise StoreError(f"{key}: object shrank during download (it is shorter than {offset + length} "
+                                 "bytes)") from None
+            if journal is not None:
+                journal.record(index, digests=",".join(d.hex() for d in digests))
+            self.progress.advance(length)
+            return digests
         async with self.pool.buffer(length) as buf:
-            done = journal.parts.get(index) if journal is not None and journal.resumed else None
             if done is not None:  # in the partial file already: kept when it still hashes the same
                 digests = await off_loop(_read_and_hash_chunks, fd, offset, buf, chunk)
                 if ",".join(d.hex() for d in digests) == done.get("digests"):
@@ -368,7 +391,7 @@ class Transfer:
                     raise StoreError(f"{key}: object shrank during download (got {n} of {length} bytes at {offset})")
                 digests = await sink.finish(n)
             finally:
-                await sink.settle()  # no thread touches the buffer or the file once this part is over
+                await sink.close()  # no thread touches the buffer or the file once this part is over
             if journal is not None:
                 journal.record(index, digests=",".join(d.hex() for d in digests))
         self.progress.advance(length)

@@ -87,6 +87,11 @@ class MultipartUpload(abc.ABC):
     async def abort(self) -> None:
         """Discard the upload and its parts. Safe to call more than once."""
 
+    def local_fd(self) -> int | None:
+        """A file descriptor part ``index`` may be written to directly at ``index * part_size`` (an upload into a
+        local file), so the engine copies parts into it without a pooled buffer; None for other stores."""
+        return None
+
     async def stored_part(self, index: int, size: int, token: str, digest: str) -> PartInfo | None:
         """Part ``index`` as already stored by an earlier process (``Store.resume_multipart``), when it is
         ``size`` bytes and is what that process recorded: the same ``token`` (an S3 ETag, a block id ...), or,
@@ -146,6 +151,11 @@ class Store(abc.ABC):
         data = await self.get_range(key, start, len(buf))
         buf[: len(data)] = data
         return len(data)
+
+    def local_file(self, key: str) -> str | None:
+        """A path this process reads object ``key`` from directly, when the store's objects are local files
+        (the engine then copies it slice by slice, without a pooled buffer); None for other stores."""
+        return None
 
     async def read_with_meta(self, key: str, buf: memoryview) -> tuple[ObjectMeta, int]:
         """The object's metadata and as much of it as ``buf`` holds, from its start (the byte count); one request

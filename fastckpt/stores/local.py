@@ -11,13 +11,16 @@ import asyncio
 import errno
 import os
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from ..config import TransferConfig
 from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError
 from ..integrity import hash_chunks, read_exact, write_at
 from ..uri import StorageURI, check_options
 from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+
+READ_SLICE = 1 << 20
+"""Bytes per read of a streamed range (``stream_into``)."""
 
 TMP_SUFFIX = ".fastckpt-part"
 _XATTR = "user.fastckpt."
@@ -92,6 +95,9 @@ class LocalUpload(MultipartUpload):
         self.upload_id = upload_id or partial_path(self._path)
         flags = os.O_RDWR if upload_id else os.O_RDWR | os.O_CREAT | os.O_EXCL
         self._fd: int | None = os.open(self.upload_id, flags, 0o644)
+
+    def local_fd(self) -> int | None:
+        return self._fd
 
     async def stored_part(self, index: int, size: int, token: str, digest: str) -> PartInfo | None:
         """Read part ``index`` back from the partial file: kept when its XXH3 is ``digest``."""
@@ -174,6 +180,9 @@ class LocalStore(Store):
         """Filesystem path of ``key``."""
         return os.path.join(self.root, key.strip("/"))
 
+    def local_file(self, key: str) -> str | None:
+        return self.path(key)
+
     def key(self, path: str) -> str:
         """Key of a filesystem path below the root."""
         return os.path.relpath(path, self.root).replace(os.sep, "/")
@@ -202,6 +211,29 @@ class LocalStore(Store):
                 size = os.fstat(fd).st_size
                 n = max(0, min(len(buf), size - start))
                 read_exact(fd, start, buf[:n])
+                return n
+            finally:
+                os.close(fd)
+
+        try:
+            return await asyncio.to_thread(read)
+        except OSError as exc:
+            raise _translate(exc, path) from exc
+
+    async def stream_into(self, key: str, start: int, buf: memoryview, on_data: Callable[[int], None]) -> int:
+        """``read_into`` in slices of ``READ_SLICE``, each reported as soon as it is in (the caller hashes and
+        writes it while it is still in the CPU's cache)."""
+        path = self.path(key)
+        loop = asyncio.get_running_loop()
+
+        def read() -> int:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                n = max(0, min(len(buf), os.fstat(fd).st_size - start))
+                for offset in range(0, n, READ_SLICE):
+                    end = min(n, offset + READ_SLICE)
+                    read_exact(fd, start + offset, buf[offset:end])
+                    loop.call_soon_threadsafe(on_data, end)
                 return n
             finally:
                 os.close(fd)

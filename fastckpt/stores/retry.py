@@ -138,6 +138,9 @@ class RetryingStore(Store):
     async def read_into(self, key: str, start: int, buf: memoryview) -> int:
         return await self._retry_data(f"read of {key}", buf.nbytes, lambda: self.inner.read_into(key, start, buf))
 
+    def local_file(self, key: str) -> str | None:
+        return self.inner.local_file(key)
+
     async def read_with_meta(self, key: str, buf: memoryview) -> tuple[ObjectMeta, int]:
         return await self._retry_data(f"read of {key}", buf.nbytes, lambda: self.inner.read_with_meta(key, buf))
 
@@ -220,6 +223,9 @@ class _RetryingUpload(MultipartUpload):
 
     async def abort(self) -> None:
         await self._store._retry(f"abort of upload of {self.key}", self._inner.abort)
+
+    def local_fd(self) -> int | None:
+        return self._inner.local_fd()
 
     async def stored_part(self, index: int, size: int, token: str, digest: str) -> PartInfo | None:
         return await self._store._retry(f"check of stored part {index} of {self.key}",
