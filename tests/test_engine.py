@@ -211,7 +211,8 @@ def test_copy_and_hash_copies_and_hashes_what_it_wrote(tmp_path, monkeypatch, in
     copy, through a small buffer: the same bytes and the same chunk digests either way, at any offset."""
     import threading
 
-    from fastckpt.engine.sink import SLICE, copy_and_hash
+    from fastckpt.engine.sink import COPY_SLICE as SLICE
+    from fastckpt.engine.sink import copy_and_hash
     from fastckpt.integrity import hash_chunks
 
     if not in_kernel:
