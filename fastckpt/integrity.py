@@ -1,4 +1,6 @@
-"""Chunk and file digests (XXH3-128), through the native accelerator when it is built.
+"""Chunk and file digests (XXH3-128); through the native accelerator when it is built and turned on
+(``FASTCKPT_NATIVE=1``: it measured 0.94x the CPU and 1.0x the speed of the pure path on a 1 GiB upload,
+short of what would make it the default).
 
 A chunk's digest is XXH3-128 of its bytes. A file's digest is XXH3-128 of its chunk digests in order;
 it is recorded with the chunk size, so a reader recomputes it from the same chunk boundaries however
@@ -26,8 +28,8 @@ slices (measured: 1 GiB in 32 MiB writes 0.5-1.6 CPU-s, in 1 MiB writes 0.28).""
 
 def _load_native() -> tuple[ModuleType | None, str]:
     """The native accelerator module (or None) and a word on why."""
-    if os.environ.get("FASTCKPT_NATIVE", "1").lower() in ("0", "false", "no", "off"):
-        return None, "disabled by FASTCKPT_NATIVE"
+    if os.environ.get("FASTCKPT_NATIVE", "0").lower() not in ("1", "true", "yes", "on"):
+        return None, "off (FASTCKPT_NATIVE=1 turns it on)"
     try:
         module = importlib.import_module(f"{__package__}._native")
     except ModuleNotFoundError:
