@@ -47,6 +47,7 @@ class Transfer:
         self.pool = BufferPool(self.config.part_size, self.config.max_in_flight)
         self.progress = Progress(progress)
         self._files = asyncio.Semaphore(self.config.max_open_files)
+        self._dirs: set[str] = set()
         self._local_copies = asyncio.Semaphore(max(2, min(self.config.max_in_flight, os.cpu_count() or 2)))
         """Parts copied from a local file at once: each keeps a core busy (more only switch between threads)."""
 
@@ -293,7 +294,10 @@ class Transfer:
         self.progress.expect(meta.size)
         if os.path.isdir(path):
             raise IsADirectoryError(f"destination {path} is a directory")
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        parent = os.path.dirname(os.path.abspath(path))
+        if parent not in self._dirs:  # many files share a directory: made (or found) once
+            os.makedirs(parent, exist_ok=True)
+            self._dirs.add(parent)
         chunk = expected.chunk_size if expected else plan.part_size
         tmp, fd, journal = self._partial(key, path, meta, expected, plan, chunk, data is None)
         try:

@@ -24,6 +24,7 @@ import secrets
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from typing import Any, ClassVar
 from urllib.parse import quote, urlsplit
@@ -49,6 +50,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
     SSLError,
 )
+from botocore.utils import parse_timestamp
 
 from ..config import TransferConfig
 from ..errors import (
@@ -128,6 +130,18 @@ def _body(data: Buffer, copy: bool = False) -> tuple[Buffer, int]:
     if not copy and isinstance(data, memoryview) and data.ndim == 1 and data.format in ("B", "b", "c"):
         return data, data.nbytes
     return bytes(data), memoryview(data).nbytes
+
+
+def _timestamp(value: Any) -> datetime:
+    """botocore's timestamp parser, with a fast path for the ISO 8601 times S3 lists objects with."""
+    if isinstance(value, str):
+        try:
+            parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            pass
+        else:
+            return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+    return parse_timestamp(value)
 
 
 def _meta_of(key: str, headers: Mapping[str, str], size: int) -> ObjectMeta:
@@ -326,6 +340,8 @@ class S3Store(Store):
         stack = contextlib.AsyncExitStack()
         try:
             session = AioSession(profile=opts.profile)
+            # listings of many objects: ISO 8601 times parsed by datetime, not dateutil (5,000 keys: ~0.4 CPU-s)
+            session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=_timestamp)
             region = opts.region or session.get_config_variable("region") or "us-east-1"
             client = await stack.enter_async_context(session.create_client(
                 "s3", region_name=region, endpoint_url=self.endpoint_url, use_ssl=opts.use_ssl, config=config))
