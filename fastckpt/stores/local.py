@@ -203,26 +203,12 @@ class LocalStore(Store):
         return bytes(buf[:n])
 
     async def read_into(self, key: str, start: int, buf: memoryview) -> int:
-        path = self.path(key)
+        return await self.stream_into(key, start, buf, None)
 
-        def read() -> int:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                size = os.fstat(fd).st_size
-                n = max(0, min(len(buf), size - start))
-                read_exact(fd, start, buf[:n])
-                return n
-            finally:
-                os.close(fd)
-
-        try:
-            return await asyncio.to_thread(read)
-        except OSError as exc:
-            raise _translate(exc, path) from exc
-
-    async def stream_into(self, key: str, start: int, buf: memoryview, on_data: Callable[[int], None]) -> int:
-        """``read_into`` in slices of ``READ_SLICE``, each reported as soon as it is in (the caller hashes and
-        writes it while it is still in the CPU's cache)."""
+    async def stream_into(self, key: str, start: int, buf: memoryview,
+                          on_data: Callable[[int], None] | None) -> int:
+        """``read_into``; with ``on_data``, in slices of ``READ_SLICE``, each reported as soon as it is in (the
+        caller hashes and writes it while it is still in the CPU's cache)."""
         path = self.path(key)
         loop = asyncio.get_running_loop()
 
@@ -230,10 +216,12 @@ class LocalStore(Store):
             fd = os.open(path, os.O_RDONLY)
             try:
                 n = max(0, min(len(buf), os.fstat(fd).st_size - start))
-                for offset in range(0, n, READ_SLICE):
-                    end = min(n, offset + READ_SLICE)
+                step = READ_SLICE if on_data is not None else max(n, 1)
+                for offset in range(0, n, step):
+                    end = min(n, offset + step)
                     read_exact(fd, start + offset, buf[offset:end])
-                    loop.call_soon_threadsafe(on_data, end)
+                    if on_data is not None:
+                        loop.call_soon_threadsafe(on_data, end)
                 return n
             finally:
                 os.close(fd)
