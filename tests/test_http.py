@@ -156,3 +156,43 @@ def test_header_injection_is_refused() -> None:
     client = HttpClient("http://127.0.0.1:1")
     with pytest.raises(ValueError, match="line break"):
         asyncio.run(client.request("GET", "/x", {"X-Bad": "a\r\nHost: evil"}))
+
+
+async def test_requests_go_through_the_environments_proxy(server, monkeypatch) -> None:
+    """HTTP_PROXY / HTTPS_PROXY are honoured (a CONNECT tunnel, with the proxy's credentials) and NO_PROXY
+    exempts hosts, as botocore and curl do."""
+    srv, direct = server
+    port = int(direct.host_header.rsplit(":", 1)[1])
+    seen: list[bytes] = []
+
+    async def tunnel(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        seen.append(head)
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(1 << 16):
+                dst.write(data)
+                await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+
+    proxy = await asyncio.start_server(tunnel, "127.0.0.1", 0)
+    proxy_port = proxy.sockets[0].getsockname()[1]
+    monkeypatch.setenv("HTTP_PROXY", f"http://us%40r:p%3Ass@127.0.0.1:{proxy_port}")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    try:
+        client = HttpClient(f"http://127.0.0.1:{port}")
+        buf = bytearray(100)
+        resp = await client.request("GET", "/data?start=0&end=100", {}, sink=memoryview(buf))
+        assert resp.status == 206 and bytes(buf) == DATA[:100]
+        assert seen and seen[0].startswith(f"CONNECT 127.0.0.1:{port} HTTP/1.1".encode())
+        assert b"Proxy-Authorization: Basic dXNAcjpwOnNz" in seen[0]  # us@r:p:ss
+        await client.close()
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        assert HttpClient(f"http://127.0.0.1:{port}").proxy is None
+    finally:
+        proxy.close()

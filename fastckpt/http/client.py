@@ -7,10 +7,13 @@ Everything else (listing, control requests, errors with bodies that need the SDK
 from __future__ import annotations
 
 import asyncio
+import base64
+import socket
 import ssl
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
+from urllib.request import getproxies_environment, proxy_bypass_environment
 
 from .connection import Body, Connection, ProtocolError, Response
 
@@ -21,8 +24,19 @@ def _check_header(text: str) -> str:
     return text
 
 
+def proxy_for(scheme: str, host: str) -> SplitResult | None:
+    """The proxy ``HTTPS_PROXY`` / ``HTTP_PROXY`` name for ``scheme``, unless ``NO_PROXY`` exempts ``host``
+    (the environment variables botocore, requests and curl read)."""
+    proxies = getproxies_environment()
+    url = proxies.get(scheme)
+    if not url or proxy_bypass_environment(host, proxies):
+        return None
+    return urlsplit(url if "://" in url else f"http://{url}")
+
+
 class HttpClient:
-    """Up to ``limit`` keep-alive connections to ``origin`` (``http[s]://host[:port]``), reused LIFO."""
+    """Up to ``limit`` keep-alive connections to ``origin`` (``http[s]://host[:port]``), reused LIFO; through
+    the environment's proxy (an HTTP CONNECT tunnel) when one applies."""
 
     def __init__(self, origin: str, *, limit: int = 32, connect_timeout: float = 10.0,
                  ssl_context: ssl.SSLContext | None = None) -> None:
@@ -36,6 +50,7 @@ class HttpClient:
         self.host_header = host if default_port else f"{host}:{self.port}"
         self.ssl = (ssl_context or ssl.create_default_context()) if parts.scheme == "https" else None
         self.connect_timeout = connect_timeout
+        self.proxy = proxy_for(self.scheme, self.host)
         self._slots = asyncio.Semaphore(limit)
         self._idle: list[Connection] = []
         self._closed = False
@@ -77,15 +92,55 @@ class HttpClient:
             conn = self._idle.pop()
             if not conn.closed:
                 return conn
-        loop = asyncio.get_running_loop()
-        connect = loop.create_connection(lambda: Connection(loop), self.host, self.port, ssl=self.ssl,
-                                         server_hostname=self.host if self.ssl else None)
         if sys.version_info >= (3, 11):
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await connect
-        else:
-            _, conn = await asyncio.wait_for(connect, self.connect_timeout)
+                return await self._connect()
+        return await asyncio.wait_for(self._connect(), self.connect_timeout)
+
+    async def _connect(self) -> Connection:
+        loop = asyncio.get_running_loop()
+        server_hostname = self.host if self.ssl else None
+        if self.proxy is None:
+            _, conn = await loop.create_connection(lambda: Connection(loop), self.host, self.port, ssl=self.ssl,
+                                                   server_hostname=server_hostname)
+            return conn
+        sock = await self._tunnel(loop, self.proxy)
+        try:
+            _, conn = await loop.create_connection(lambda: Connection(loop), sock=sock, ssl=self.ssl,
+                                                   server_hostname=server_hostname)
+        except BaseException:
+            sock.close()
+            raise
         return conn
+
+    async def _tunnel(self, loop: asyncio.AbstractEventLoop, proxy: SplitResult) -> socket.socket:
+        """A socket connected to this origin through ``proxy`` (HTTP CONNECT)."""
+        infos = await loop.getaddrinfo(proxy.hostname, proxy.port or 80, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, address)
+            target = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+            lines = [f"CONNECT {target} HTTP/1.1", f"Host: {target}"]
+            if proxy.username:
+                token = f"{unquote(proxy.username)}:{unquote(proxy.password or '')}".encode()
+                lines.append(f"Proxy-Authorization: Basic {base64.b64encode(token).decode()}")
+            await loop.sock_sendall(sock, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                chunk = await loop.sock_recv(sock, 4096)
+                if not chunk or len(answer) > 65536:
+                    raise ProtocolError(f"proxy {proxy.hostname}:{proxy.port} closed the CONNECT to {target}")
+                answer += chunk
+            status = answer.split(b" ", 2)[1:2]
+            if status != [b"200"]:
+                line = answer.split(b"\r\n", 1)[0].decode("latin-1")
+                raise ConnectionRefusedError(f"proxy {proxy.hostname}:{proxy.port} refused CONNECT {target}: {line}")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     async def close(self) -> None:
         """Close every idle connection; connections in use close when their request ends."""
