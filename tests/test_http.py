@@ -161,7 +161,7 @@ def test_header_injection_is_refused() -> None:
 async def test_requests_go_through_the_environments_proxy(server, monkeypatch) -> None:
     """HTTP_PROXY / HTTPS_PROXY are honoured (a CONNECT tunnel, with the proxy's credentials) and NO_PROXY
     exempts hosts, as botocore and curl do."""
-    srv, direct = server
+    _, direct = server
     port = int(direct.host_header.rsplit(":", 1)[1])
     seen: list[bytes] = []
 
@@ -196,3 +196,26 @@ async def test_requests_go_through_the_environments_proxy(server, monkeypatch) -
         assert HttpClient(f"http://127.0.0.1:{port}").proxy is None
     finally:
         proxy.close()
+
+
+async def test_an_answer_before_the_body_is_sent_closes_the_connection() -> None:
+    """A server that refuses a large PUT at once (before reading its body): the error is returned and the
+    connection, with the rest of the body still queued, is closed rather than reused."""
+    connections = []
+
+    async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.5)  # neither reads the body nor closes
+        writer.close()
+
+    srv = await asyncio.start_server(refuse, "127.0.0.1", 0)
+    client = HttpClient(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+    try:
+        resp = await client.request("PUT", "/x", {}, body=memoryview(DATA))
+        assert resp.status == 403 and client._idle == []
+    finally:
+        await client.close()
+        srv.close()

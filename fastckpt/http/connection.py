@@ -85,8 +85,8 @@ class Connection(asyncio.BufferedProtocol):
                 + (f": {exc}" if exc else "")))
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._direct and self._sink is not None:
-            return self._sink[self.response.received:]
+        if self._direct and self._sink is not None:  # never past the promised length: extra bytes are an error
+            return self._sink[self.response.received:self._expected]
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -194,14 +194,20 @@ class Connection(asyncio.BufferedProtocol):
             self._release_sink()
         resp = self.response
         resp.body = bytes(self._body)
-        if not self._reusable():
+        if not self._reusable(any(len(piece) for piece in body)):
             self.close()
         self._parser = None
         self.used = True
         return resp
 
-    def _reusable(self) -> bool:
-        return not self.closed and self._keep_alive and self._complete
+    def _reusable(self, sent_body: bool) -> bool:
+        """Whether the next request may use this connection: the answer was whole and asked for no close, and,
+        when the request had a body, it was a 2xx (an error may come before the server read the body: the rest
+        of it, queued here or in the socket, would be taken for the next request, and a queued rest still
+        refers to the caller's buffer)."""
+        return (not self.closed and self._keep_alive and self._complete and self.transport is not None
+                and (not sent_body or 200 <= self.response.status < 300)
+                and self.transport.get_write_buffer_size() == 0)
 
     def _finish(self) -> None:
         self._complete = True

@@ -17,6 +17,7 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import logging
 import os
 import posixpath
 import re
@@ -67,6 +68,7 @@ from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, Pendi
 from .classify import ErrorTable, classify, unreachable
 from .conditional import IfAbsentGuard
 
+log = logging.getLogger("fastckpt")
 MiB = 1 << 20
 DELETE_BATCH = 1000
 """Keys per DeleteObjects request (the S3 maximum)."""
@@ -373,6 +375,13 @@ class S3Store(Store):
         if not parts.path.endswith("/" + probe):
             raise StoreError(f"botocore addressed s3://{self.bucket}/{probe} as {parts.path!r}; fastckpt needs an "
                              "update (or set FASTCKPT_HTTP_DATA_PATH=0)")
+        region = await self._bucket_region(client)
+        if region and region != client.meta.region_name:
+            # botocore redirects its own requests to the bucket's region; the data path would be refused
+            log.info("s3://%s is in %s, not %s: its data requests go through aiobotocore (pass ?region=%s to "
+                     "use the fast path)", self.bucket, region, client.meta.region_name, region)
+            self.fast = False
+            return
         origin = f"{parts.scheme}://{parts.netloc}"
         credentials = None if self.options.anonymous else await session.get_credentials()
         if credentials is None and not self.options.anonymous:
@@ -380,6 +389,18 @@ class S3Store(Store):
         self._signing = (origin, parts.path[:-len(probe)], credentials, client.meta.region_name)
         self._http = HttpClient(origin, limit=self.max_pool_connections,
                                 connect_timeout=self.options.connect_timeout)
+
+    async def _bucket_region(self, client: Any) -> str | None:
+        """The bucket's region as HeadBucket reports it (``x-amz-bucket-region``); None when unknown (no such
+        header, a failure: the requests that follow report those)."""
+        try:
+            answer = await client.head_bucket(Bucket=self.bucket)
+            self._bucket_ok = True
+        except ClientError as exc:
+            answer = exc.response
+        except _CLIENT_ERRORS:
+            return None
+        return answer.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
 
     async def send(self, method: str, key: str, query: dict[str, str], headers: dict[str, str], *,
                    body: Buffer | None = None, sink: memoryview | None = None, if_absent: bool = False,
