@@ -272,7 +272,8 @@ class Transfer:
                         failed: asyncio.Event) -> FileResult:
         async with self._files:
             size = expected.size if expected is not None else size
-            if size is not None and 0 < size <= self.config.part_size:  # one GET: the object and its metadata
+            if (size is not None and 0 < size <= self.config.part_size
+                    and self.store.local_file(key) is None):  # one GET: the object and its metadata (local: a copy)
                 async with self.pool.buffer(size) as buf:
                     meta, n = await self.store.read_with_meta(key, buf)
                     if n == meta.size:

@@ -47,7 +47,7 @@ from ..engine.tasks import gather_bounded
 from ..errors import AccessDeniedError, BucketNotFoundError, ObjectNotFoundError, StoreError
 from ..http import HttpClient, ProtocolError, Response
 from ..uri import StorageURI, check_options, parse_flag
-from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix, read_range
 from .classify import ErrorTable, classify, unreachable
 
 MiB = 1 << 20
@@ -354,9 +354,7 @@ class AzureStore(Store):
                           _decode_metadata(props.metadata))
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
-        buf = bytearray(max(0, length))
-        n = await self.read_into(key, start, memoryview(buf))
-        return bytes(buf[:n])
+        return await read_range(self, key, start, length)
 
     async def read_into(self, key: str, start: int, buf: memoryview) -> int:
         return await self.stream_into(key, start, buf, None)

@@ -276,6 +276,15 @@ class Store(abc.ABC):
         """Abort an upload found by ``list_pending_uploads``."""
 
 
+async def read_range(store: Store, key: str, start: int, length: int) -> bytes:
+    """``get_range`` of a backend that reads through ``read_into``: ``length`` bytes of ``key`` from ``start``
+    (fewer at the end of the object)."""
+    buf = bytearray(max(0, length))
+    with memoryview(buf) as view:
+        n = await store.read_into(key, start, view)
+    return bytes(buf[:n]) if n < len(buf) else bytes(buf)
+
+
 def in_prefix(key: str, prefix: str) -> bool:
     """Whether ``key`` lies at or below the '/'-separated ``prefix``."""
     prefix = prefix.strip("/")

@@ -51,7 +51,7 @@ from ..engine.tasks import gather_bounded
 from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError, TransientStoreError
 from ..http import HttpClient, Response
 from ..uri import StorageURI, check_options
-from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix, read_range
 from .classify import ErrorTable, classify, unreachable
 from .conditional import IfAbsentGuard
 
@@ -465,12 +465,7 @@ class GCSStore(Store):
         return self._meta(item)
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
-        if length <= 0:
-            return b""
-        buf = bytearray(length)
-        with memoryview(buf) as view:
-            n = await self.read_into(key, start, view)
-        return bytes(buf[:n]) if n < length else bytes(buf)
+        return await read_range(self, key, start, length)
 
     async def read_into(self, key: str, start: int, buf: memoryview) -> int:
         return await self.stream_into(key, start, buf, None)

@@ -11,16 +11,13 @@ import asyncio
 import errno
 import os
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from ..config import TransferConfig
 from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError
 from ..integrity import hash_chunks, read_exact, write_at
 from ..uri import StorageURI, check_options
-from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
-
-READ_SLICE = 1 << 20
-"""Bytes per read of a streamed range (``stream_into``)."""
+from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix, read_range
 
 TMP_SUFFIX = ".fastckpt-part"
 _XATTR = "user.fastckpt."
@@ -198,30 +195,17 @@ class LocalStore(Store):
         return ObjectMeta(key, st.st_size, st.st_mtime, None, _get_xattrs(path))
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
-        buf = bytearray(length)
-        n = await self.read_into(key, start, memoryview(buf))
-        return bytes(buf[:n])
+        return await read_range(self, key, start, length)
 
     async def read_into(self, key: str, start: int, buf: memoryview) -> int:
-        return await self.stream_into(key, start, buf, None)
-
-    async def stream_into(self, key: str, start: int, buf: memoryview,
-                          on_data: Callable[[int], None] | None) -> int:
-        """``read_into``; with ``on_data``, in slices of ``READ_SLICE``, each reported as soon as it is in (the
-        caller hashes and writes it while it is still in the CPU's cache)."""
         path = self.path(key)
-        loop = asyncio.get_running_loop()
 
         def read() -> int:
             fd = os.open(path, os.O_RDONLY)
             try:
-                n = max(0, min(len(buf), os.fstat(fd).st_size - start))
-                step = READ_SLICE if on_data is not None else max(n, 1)
-                for offset in range(0, n, step):
-                    end = min(n, offset + step)
-                    read_exact(fd, start + offset, buf[offset:end])
-                    if on_data is not None:
-                        loop.call_soon_threadsafe(on_data, end)
+                size = os.fstat(fd).st_size
+                n = max(0, min(len(buf), size - start))
+                read_exact(fd, start, buf[:n])
                 return n
             finally:
                 os.close(fd)

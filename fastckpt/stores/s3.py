@@ -64,7 +64,7 @@ from ..errors import (
 )
 from ..http import HttpClient, ProtocolError, Response
 from ..uri import StorageURI, check_options
-from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix, read_range
 from .classify import ErrorTable, classify, unreachable
 from .conditional import IfAbsentGuard
 
@@ -556,10 +556,7 @@ class S3Store(Store):
             await self.head(key)
             return b""
         if self.fast:
-            buf = bytearray(length)
-            with memoryview(buf) as view:
-                n = await self._read_fast(key, start, view)
-            return bytes(buf[:n]) if n < length else bytes(buf)
+            return await read_range(self, key, start, length)
         try:
             resp = await self._get(key, start, length)
         except _InvalidRange:
