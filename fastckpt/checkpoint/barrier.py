@@ -221,6 +221,34 @@ class _Slot:
         self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
 
+class HandedBarrier(Barrier):
+    """The root's side of a commit whose other ranks handed their manifests over another channel (the DCP
+    plugin: through ``torch.distributed.checkpoint``'s own gather) and left (``CheckpointWriter.hand_off``).
+
+    ``payloads`` maps each other rank to its manifest; the root stores them beside its own and commits.
+    A rank that only hands off never calls the barrier, so it may hold no payloads.
+    """
+
+    stores_payloads = True
+
+    def __init__(self, payloads: dict[int, bytes]) -> None:
+        super().__init__()
+        self.payloads = payloads
+
+    async def gather(self, rv: Rendezvous, tag: str, payload: bytes) -> list[bytes] | None:
+        missing = [r for r in range(1, rv.world_size) if r not in self.payloads]
+        if rv.rank != 0 or missing:
+            raise BarrierTimeoutError(f"no manifest was handed over for {describe_missing(missing, rv.world_size)}",
+                                      missing)
+        got = [payload, *(self.payloads[r] for r in range(1, rv.world_size))]
+        await gather_all(rv.write(rank_key(rv.prefix, tag, r), p) for r, p in enumerate(got))
+        return got
+
+    async def broadcast(self, rv: Rendezvous, tag: str, payload: bytes | None) -> bytes:
+        assert payload is not None
+        return payload
+
+
 class InProcessBarrier(Barrier):
     """Barrier for ranks running in one process (asyncio tasks, or threads with their own loops).
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from ..errors import CheckpointError
-from ..integrity import DIGEST_ALGO, FileDigest
+from ..integrity import DIGEST_ALGO, FileDigest, combine
 from ..uri import join_key
 
 FORMAT_VERSION = 1
@@ -76,10 +76,12 @@ def digest_of(data: bytes) -> str:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One data file of a rank: its name relative to the checkpoint and its digest."""
+    """One data file of a rank: its name relative to the checkpoint and its digest; ``chunks``, when
+    recorded, are its chunk digests (hex), so a reader of part of the file can verify what it read."""
 
     name: str
     digest: FileDigest
+    chunks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,7 @@ class RankManifest:
         doc: dict[str, object] = {
             "format": FORMAT_VERSION, "kind": "rank-manifest", "attempt": self.attempt, "rank": self.rank,
             "world_size": self.world_size, "created_at": self.created_at, "digest_algo": DIGEST_ALGO,
-            "files": [{"name": f.name, "size": f.digest.size, "chunk_size": f.digest.chunk_size,
-                       "digest": f.digest.digest} for f in self.files],
+            "files": [_file_doc(f) for f in self.files],
         }
         if self.error is not None:
             doc["error"] = self.error
@@ -115,9 +116,7 @@ class RankManifest:
         """Parse manifest bytes; CheckpointError naming ``what`` when malformed."""
         doc = _load_json(data, what, "rank-manifest")
         try:
-            files = tuple(FileEntry(check_name(f["name"]),
-                                    FileDigest(int(f["size"]), int(f["chunk_size"]), str(f["digest"])))
-                          for f in doc["files"])
+            files = tuple(_file_entry(f) for f in doc["files"])
             twice = sorted(n for n, count in Counter(f.name for f in files).items() if count > 1)
             if twice:
                 raise ValueError(f"file name(s) {twice[:5]} listed more than once")
@@ -160,6 +159,23 @@ class CommitMarker:
             raise CheckpointError(f"{what}: marker lists {len(marker.manifests)} manifests for "
                                   f"world size {marker.world_size}")
         return marker
+
+
+def _file_doc(entry: FileEntry) -> dict[str, object]:
+    d = entry.digest
+    doc: dict[str, object] = {"name": entry.name, "size": d.size, "chunk_size": d.chunk_size, "digest": d.digest}
+    if entry.chunks:
+        doc["chunks"] = list(entry.chunks)
+    return doc
+
+
+def _file_entry(doc: dict) -> FileEntry:
+    digest = FileDigest(int(doc["size"]), int(doc["chunk_size"]), str(doc["digest"]))
+    chunks = tuple(str(c) for c in doc.get("chunks", ()))
+    if chunks and (len(chunks) != -(-digest.size // digest.chunk_size)
+                   or combine([bytes.fromhex(c) for c in chunks]) != digest.digest):
+        raise ValueError(f"chunk digests of {doc['name']!r} do not make up its digest")
+    return FileEntry(check_name(doc["name"]), digest, chunks)
 
 
 def _load_json(data: bytes, what: str, kind: str) -> dict:

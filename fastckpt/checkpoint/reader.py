@@ -81,6 +81,8 @@ class Checkpoint:
     key: str
     files: dict[str, FileDigest | None]
     problems: tuple[BadFile, ...] = ()
+    chunks: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Chunk digests (hex) of the files whose manifests record them."""
 
     def file_key(self, name: str) -> str:
         """Store key of file ``name``."""
@@ -231,13 +233,15 @@ async def _load(store: Store, base: StorageURI, config: TransferConfig, allow_un
     results = await gather_bounded([manifest(r) for r in range(marker.world_size)], _SCAN_CONCURRENCY)
     problems = tuple(r for r in results if isinstance(r, BadFile))
     files: dict[str, FileDigest | None] = {}
+    chunks: dict[str, tuple[str, ...]] = {}
     for m in results:
         if isinstance(m, RankManifest):
             files.update({f.name: f.digest for f in m.files})
+            chunks.update({f.name: f.chunks for f in m.files if f.chunks})
     state = CORRUPT if problems else COMMITTED
     info = CheckpointInfo(name, uri, state, marker.attempt, marker.world_size, marker.files, marker.bytes,
                           marker.committed_at)
-    return Checkpoint(info, key, files, problems)
+    return Checkpoint(info, key, files, problems, chunks)
 
 
 async def _load_uncommitted(store: Store, base: StorageURI, config: TransferConfig) -> Checkpoint:

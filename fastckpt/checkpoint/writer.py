@@ -18,13 +18,14 @@ after its rank wrote it fails the commit, so the marker only ever names the byte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import re
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import cast
@@ -32,11 +33,13 @@ from typing import cast
 from .._loop import BackgroundLoop
 from ..config import TransferConfig
 from ..engine.io import local_files
+from ..engine.memory import Layout, hash_layout, upload_layout
+from ..engine.plan import plan_upload
 from ..engine.progress import ProgressCallback
 from ..engine.tasks import gather_bounded
 from ..engine.transfer import FileResult, Transfer
 from ..errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
-from ..integrity import FileDigest
+from ..integrity import FileDigest, combine
 from ..stores import open_store
 from ..stores.base import Store
 from ..stores.retry import retrying
@@ -186,27 +189,27 @@ class CheckpointWriter:
         raise CheckpointError(f"checkpoint {self.uri.raw} is already committed; refusing to write it again"
                               + (f" ({what} not written)" if what else ""))
 
-    async def _clear_leftovers(self, pairs: list[tuple[str, str]]) -> dict[str, FileResult]:
-        """Objects at the keys of ``(path, key)`` ``pairs`` left by an uncommitted attempt: kept when one holds
-        exactly the local file (a rerun after a crash re-uses it; returned by key), deleted otherwise.
-        Refuses if the checkpoint is committed. The checkpoint's objects are listed once per writer.
+    async def _clear_leftovers(self, keys: list[str], holds: Callable[[str], Awaitable[FileResult | None]]
+                               ) -> dict[str, FileResult]:
+        """Objects at ``keys`` left by an uncommitted attempt: kept when ``holds(key)`` finds one holding exactly
+        what this rank is about to write there (a rerun after a crash re-uses it; returned by key), deleted
+        otherwise. Refuses if the checkpoint is committed. The checkpoint's objects are listed once per writer.
         """
         store = self._rv.store
         if self._existing is None:
             meta = meta_prefix(self.uri.key) + "/"
             self._existing = {m.key async for m in store.list(self.uri.key) if not m.key.startswith(meta)}
-        found = [(p, k) for p, k in pairs if k in self._existing]
+        found = [k for k in keys if k in self._existing]
         if not found:
             return {}
-        await self._refuse_committed(", ".join(k for _, k in found[:3])
-                                     + (f" and {len(found) - 3} more" if len(found) > 3 else ""))
-        held = [await self._active().holds_file(p, k) for p, k in found]
+        await self._refuse_committed(", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else ""))
+        held = [await holds(k) for k in found]
         kept = {r.key: r for r in held if r is not None}
-        stale = [k for _, k in found if k not in kept]
+        stale = [k for k in found if k not in kept]
         log.info("rank %d: %d file(s) of %s left by an uncommitted attempt: %d re-used, %d replaced", self.rank,
                  len(found), self.uri.raw, len(kept), len(stale))
         await store.delete_many(stale)
-        self._existing.difference_update(k for _, k in found)
+        self._existing.difference_update(found)
         return kept
 
     async def _agree_attempt(self) -> str:
@@ -248,22 +251,56 @@ class CheckpointWriter:
             for _, name in pairs:
                 names.append(self._reserve(name))
             todo = [(p, self.uri.join(n)) for (p, _), n in zip(pairs, names, strict=True)]
-            kept = await self._clear_leftovers(todo)
-            try:
+            paths = {k: p for p, k in todo}
+            kept = await self._clear_leftovers(list(paths), lambda k: transfer.holds_file(paths[k], k))
+            async with self._not_replacing():
                 sent = iter(await transfer.upload_files([pk for pk in todo if pk[1] not in kept], if_absent=True))
-                results = [kept[k] if k in kept else next(sent) for _, k in todo]
-            except AlreadyExistsError as exc:
-                await self._refuse_committed()
-                raise CheckpointError(f"{exc}: created meanwhile by another writer of checkpoint {self.uri.raw} "
-                                      "(another rank writing the same name, or another job); not replaced") from exc
+            results = [kept[k] if k in kept else next(sent) for _, k in todo]
         except BaseException:
-            for n in names:
-                if self._entries.get(n) is None:
-                    self._entries.pop(n, None)
+            self._unreserve(names)
             raise
         for name, res in zip(names, results, strict=True):
             self._entries[name] = FileEntry(name, res.digest)
         return results
+
+    async def put_layout(self, name: str, layout: Layout) -> FileResult:
+        """Upload ``layout`` (bytes in memory, e.g. a tensor file's header and tensors) as file ``name``; its
+        chunk digests go into the manifest, so readers of part of it verify what they read."""
+        transfer = self._active()
+        name = self._reserve(name)
+        key = self.uri.join(name)
+        try:
+            chunks = await hash_layout(layout, plan_upload(layout.size, self.config, transfer.store).part_size)
+            held = await self._clear_leftovers([key], lambda k: self._holds_layout(transfer, k, layout.size, chunks))
+            if key in held:
+                digest = held[key].digest
+            else:
+                async with self._not_replacing():
+                    digest, _ = await upload_layout(transfer, layout, key, if_absent=True, chunks=chunks)
+        except BaseException:
+            self._unreserve([name])
+            raise
+        self._entries[name] = FileEntry(name, digest, tuple(c.hex() for c in chunks))
+        return FileResult(key, "", digest)
+
+    async def _holds_layout(self, transfer: Transfer, key: str, size: int, chunks: list[bytes]) -> FileResult | None:
+        digest = FileDigest(size, plan_upload(size, self.config, transfer.store).part_size, combine(chunks))
+        return FileResult(key, "", digest) if await transfer._holds(key, digest) else None
+
+    @contextlib.asynccontextmanager
+    async def _not_replacing(self) -> AsyncIterator[None]:
+        """An object created at one of our keys meanwhile (by another writer) fails the write clearly."""
+        try:
+            yield
+        except AlreadyExistsError as exc:
+            await self._refuse_committed()
+            raise CheckpointError(f"{exc}: created meanwhile by another writer of checkpoint {self.uri.raw} "
+                                  "(another rank writing the same name, or another job); not replaced") from exc
+
+    def _unreserve(self, names: list[str]) -> None:
+        for n in names:
+            if self._entries.get(n) is None:
+                self._entries.pop(n, None)
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
@@ -272,6 +309,26 @@ class CheckpointWriter:
                 await self._commit()
             elif isinstance(exc, Exception):
                 await self._report_failure(exc)
+        finally:
+            await self._close()
+
+    def record_written(self, entries: tuple[FileEntry, ...]) -> None:
+        """Count files this rank wrote through an earlier writer of the same attempt that handed off (the
+        commit still checks that each holds what ``entries`` record)."""
+        for entry in entries:
+            self._reserve(entry.name)
+            self._entries[entry.name] = entry
+
+    async def hand_off(self, error: BaseException | None = None) -> bytes:
+        """Leave without taking part in the commit: store this rank's manifest (a failure record when
+        ``error`` is given) so ``gc`` finds the attempt, and return it for a root that commits it with a
+        ``HandedBarrier`` (the other ranks' manifests reach the root through the caller's own collectives)."""
+        try:
+            if error is None and any(e is None for e in self._entries.values()):
+                raise CheckpointError(f"rank {self.rank} hands off with uploads still running")
+            data = self._manifest(None if error is None else f"{type(error).__name__}: {error}")
+            await self._write_own(rank_key(self._rv.prefix, self.attempt, self.rank), data)
+            return data
         finally:
             await self._close()
 

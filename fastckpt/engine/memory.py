@@ -1,0 +1,177 @@
+"""Objects laid out in memory: uploads sent from, and ranged reads received into, the caller's buffers.
+
+A ``Layout`` is a byte range made of views laid end to end (a header, then tensors). A part that lies
+inside one view is sent from it, or received into it, with no copy; a part spanning views goes through a
+pooled buffer (gathered before sending, scattered after receiving). Every chunk is hashed where it lies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+from collections.abc import Iterable
+
+import xxhash
+
+from ..errors import AlreadyExistsError, IntegrityError
+from ..integrity import FileDigest, combine, hash_chunks
+from ..stores.base import Buffer, PartInfo, Store
+from .io import off_loop
+from .plan import plan_upload
+from .tasks import gather_all
+from .transfer import Transfer
+
+
+class Layout:
+    """Views of any buffers (bytes, mmaps, tensors' memory) read or written as one range of bytes."""
+
+    def __init__(self, views: Iterable[Buffer]) -> None:
+        self.views = [v for v in (memoryview(b).cast("B") for b in views) if len(v)]
+        self.starts: list[int] = []
+        size = 0
+        for v in self.views:
+            self.starts.append(size)
+            size += len(v)
+        self.size = size
+
+    def pieces(self, offset: int, length: int) -> list[memoryview]:
+        """Views covering ``[offset, offset + length)``, in order."""
+        if offset < 0 or offset + length > self.size:
+            raise ValueError(f"range {offset}+{length} outside a layout of {self.size} bytes")
+        out: list[memoryview] = []
+        i = bisect.bisect_right(self.starts, offset) - 1
+        while length > 0:
+            view, start = self.views[i], offset - self.starts[i]
+            take = min(length, len(view) - start)
+            out.append(view[start:start + take])
+            offset, length, i = offset + take, length - take, i + 1
+        return out
+
+    def gather(self, offset: int, out: memoryview) -> None:
+        """Copy ``len(out)`` bytes from ``offset`` into ``out``."""
+        pos = 0
+        for piece in self.pieces(offset, len(out)):
+            out[pos:pos + len(piece)] = piece
+            pos += len(piece)
+
+
+def hash_pieces(pieces: list[memoryview], chunk_size: int) -> list[bytes]:
+    """Chunk digests of the bytes of ``pieces`` laid end to end (their total starts at a chunk boundary)."""
+    if len(pieces) == 1:
+        return hash_chunks(pieces[0], chunk_size)
+    digests, state, filled = [], xxhash.xxh3_128(), 0
+    for piece in pieces:
+        pos = 0
+        while pos < len(piece):
+            take = min(len(piece) - pos, chunk_size - filled)
+            state.update(piece[pos:pos + take])
+            filled, pos = filled + take, pos + take
+            if filled == chunk_size:
+                digests.append(state.digest())
+                state.reset()
+                filled = 0
+    if filled:
+        digests.append(state.digest())
+    return digests
+
+
+def _scatter(data: memoryview, pieces: list[memoryview]) -> None:
+    pos = 0
+    for piece in pieces:
+        piece[:] = data[pos:pos + len(piece)]
+        pos += len(piece)
+
+
+async def hash_layout(layout: Layout, chunk_size: int) -> list[bytes]:
+    """Chunk digests of the whole layout, hashed on the I/O threads a part at a time."""
+    spans = [(o, min(chunk_size * 8, layout.size - o)) for o in range(0, layout.size, chunk_size * 8)]
+    parts = await gather_all(off_loop(hash_pieces, layout.pieces(o, n), chunk_size) for o, n in spans)
+    return [d for part in parts for d in part]
+
+
+async def upload_layout(transfer: Transfer, layout: Layout, key: str, *, if_absent: bool = False,
+                        chunks: list[bytes] | None = None) -> tuple[FileDigest, list[bytes]]:
+    """Store ``layout`` as object ``key``; returns its digest and chunk digests (``chunks``: known already,
+    one per upload part). Parts are sent straight from the layout's views where they can be;
+    a failed multipart upload is aborted. With ``if_absent``, an object already at ``key`` fails the upload
+    (AlreadyExistsError) unless it holds exactly these bytes."""
+    store, config = transfer.store, transfer.config
+    plan = plan_upload(layout.size, config, store)
+    chunks = chunks if chunks is not None else await hash_layout(layout, plan.part_size)
+    digest = FileDigest(layout.size, plan.part_size, combine(chunks))
+    meta = digest.metadata() if config.digest_metadata else None
+    if not plan.multipart:
+        pieces = layout.pieces(0, layout.size)
+        data: Buffer = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        try:
+            await store.put(key, data, if_absent=if_absent, metadata=meta)
+        except AlreadyExistsError:
+            if not await transfer._holds(key, digest):
+                raise
+        transfer.progress.advance(layout.size)
+        return digest, chunks
+    mpu = await store.create_multipart(key, plan.part_size, meta, if_absent=if_absent)
+    slots = asyncio.Semaphore(max(1, config.max_in_flight))
+
+    async def send(index: int) -> PartInfo:
+        offset, length = plan.part(index)
+        pieces = layout.pieces(offset, length)
+        async with slots:
+            if len(pieces) == 1:
+                info = await mpu.put_part(index, pieces[0])
+            else:
+                async with transfer.pool.buffer(length) as buf:
+                    layout.gather(offset, buf)
+                    info = await mpu.put_part(index, buf)
+        transfer.progress.advance(length)
+        return info
+
+    try:
+        infos = await gather_all(send(i) for i in range(plan.count))
+        await mpu.complete(infos, meta)
+    except AlreadyExistsError:
+        await asyncio.shield(transfer._abort(mpu))
+        if not await transfer._holds(key, digest):
+            raise
+    except BaseException:
+        await asyncio.shield(transfer._abort(mpu))
+        raise
+    return digest, chunks
+
+
+async def read_layout(transfer: Transfer, key: str, start: int, layout: Layout, chunk_size: int) -> list[bytes]:
+    """Read ``layout.size`` bytes of ``key`` from ``start`` (a chunk boundary) into ``layout``; returns the
+    chunk digests of what was read. A part lying inside one view is received straight into it."""
+    if start % chunk_size:
+        raise ValueError(f"read of {key} at {start}: not a multiple of the chunk size {chunk_size}")
+    part = chunk_size * max(1, transfer.config.part_size // chunk_size)
+    store, slots = transfer.store, asyncio.Semaphore(max(1, transfer.config.max_in_flight))
+
+    async def one(offset: int) -> list[bytes]:
+        length = min(part, layout.size - offset)
+        pieces = layout.pieces(offset, length)
+        async with slots:
+            if len(pieces) == 1:
+                await _read_exact(store, key, start + offset, pieces[0])
+                digests = await off_loop(hash_chunks, pieces[0], chunk_size)
+            else:
+                async with transfer.pool.buffer(length) as buf:
+                    await _read_exact(store, key, start + offset, buf)
+                    digests = await off_loop(_hash_and_scatter, buf, pieces, chunk_size)
+        transfer.progress.advance(length)
+        return digests
+
+    parts = await gather_all(one(o) for o in range(0, layout.size, part))
+    return [d for p in parts for d in p]
+
+
+async def _read_exact(store: Store, key: str, offset: int, buf: memoryview) -> None:
+    n = await store.read_into(key, offset, buf)
+    if n != len(buf):
+        raise IntegrityError(f"{key}: {n} of {len(buf)} bytes at offset {offset} (object shorter than recorded)")
+
+
+def _hash_and_scatter(buf: memoryview, pieces: list[memoryview], chunk_size: int) -> list[bytes]:
+    digests = hash_chunks(buf, chunk_size)
+    _scatter(buf, pieces)
+    return digests

@@ -1,0 +1,12 @@
+"""Tensor state saved from memory and loaded straight into tensors (needs the ``torch`` extra).
+
+``save`` / ``async_save`` write each rank's state dict as one safetensors file and commit the checkpoint
+with the other ranks; ``load`` reads it back into tensors with parallel ranged reads, verified against the
+manifest. ``fastckpt.torch.dcp`` holds the ``torch.distributed.checkpoint`` storage plugin.
+"""
+
+from .load import load, load_async
+from .save import SaveHandle, async_save, rank_file, save
+from .staging import Staging
+
+__all__ = ["SaveHandle", "Staging", "async_save", "load", "load_async", "rank_file", "save"]

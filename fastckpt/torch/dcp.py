@@ -1,0 +1,335 @@
+"""A ``torch.distributed.checkpoint`` storage plugin: ``dcp.save`` / ``async_save`` / ``load`` on any backend.
+
+Each rank writes its items into one file, ``rank-NNNNN.distcp`` (tensor bytes raw, byte items as DCP hands
+them over), created if absent, with its chunk digests in the rank's manifest. The ranks' manifests reach the
+coordinator through DCP's own gather; in ``finish`` it writes DCP's ``.metadata`` and every manifest, then
+the commit marker. A save is visible only once the marker exists: DCP's ``.metadata`` alone commits
+nothing, and a rank that dies mid-save leaves an attempt that ``gc`` removes.
+
+The reader opens committed checkpoints only. Any rank may read any part of any file (DCP reshards on
+load); every chunk read is checked against its recorded digest. ``.metadata`` is read with
+``torch.load(weights_only=True)``, allowing DCP's metadata classes and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import io
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import metadata as dcp_meta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from .._loop import BackgroundLoop
+from ..checkpoint.barrier import HandedBarrier
+from ..checkpoint.manifest import RankManifest
+from ..checkpoint.reader import Checkpoint, open_checkpoint_async
+from ..checkpoint.writer import CheckpointWriter, attempt_from_env, new_attempt_id
+from ..config import TransferConfig
+from ..engine.memory import Layout, read_layout
+from ..engine.tasks import gather_bounded
+from ..engine.transfer import Transfer
+from ..errors import CheckpointError, IntegrityError
+from ..stores import open_store
+from ..uri import StorageURI, parse_uri
+from .staging import byte_view
+
+METADATA = ".metadata"
+GROUP_BYTES = 256 << 20
+"""Largest span of one file read in one go on load (ranges closer than a chunk are read together)."""
+
+
+@dataclass(frozen=True)
+class _RankPlan:
+    """What the coordinator tells each rank: the attempt, its rank and the world size."""
+
+    attempt: str
+    rank: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """Where one DCP item lies: ``name`` (file in the checkpoint), byte ``offset`` and ``length``; for tensors
+    their dtype and shape."""
+
+    name: str
+    offset: int
+    length: int
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] | None = None
+    manifest: bytes | None = None
+    """The writing rank's manifest, carried to the coordinator on the rank's first item (dropped before
+    ``.metadata`` is written)."""
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.distcp"
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run_coroutine_threadsafe(coro, BackgroundLoop.get().loop).result()
+
+
+def _done(value: Any) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+class Writer(StorageWriter):
+    """``StorageWriter`` for ``dcp.save`` / ``dcp.async_save`` to the fastckpt checkpoint ``uri`` (any backend).
+
+    ``attempt`` names the run (default: from the environment, else drawn by the coordinator).
+    """
+
+    def __init__(self, uri: str | os.PathLike[str] | None = None, *, attempt: str | None = None,
+                 config: TransferConfig | None = None) -> None:
+        super().__init__()
+        self.uri = os.fspath(uri) if uri is not None else None
+        self.attempt, self.config = attempt, config
+        self.is_coordinator = False
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.uri = os.fspath(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        if kwargs.get("use_collectives") is False:
+            raise ValueError("fastckpt.torch.dcp.Writer commits through DCP's collectives: use_collectives=False "
+                             "is not supported")
+
+    def _target(self) -> StorageURI:
+        if self.uri is None:
+            raise ValueError("fastckpt.torch.dcp.Writer needs a checkpoint URI (uri= or checkpoint_id=)")
+        return parse_uri(self.uri)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._target()
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        attempt = self.attempt or attempt_from_env() or new_attempt_id()
+        return [dataclasses.replace(p, storage_data=_RankPlan(attempt, i, len(plans))) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        where: _RankPlan = plan.storage_data
+        name = _rank_file(where.rank)
+        views: list[memoryview] = []
+        stored: list[StoredItem] = []
+        offset = 0
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                view, dtype, shape = memoryview(data.getbuffer()).cast("B"), None, None
+            else:
+                tensor = data.detach().to("cpu").contiguous()
+                view, dtype, shape = byte_view(tensor), tensor.dtype, tuple(tensor.shape)
+            views.append(view)
+            stored.append(StoredItem(name, offset, len(view), dtype, shape))
+            offset += len(view)
+        manifest = _run(self._write(where, name, Layout(views)))
+        if stored:
+            stored[0] = dataclasses.replace(stored[0], manifest=manifest)
+        return _done([WriteResult(index=i.index, size_in_bytes=s.length, storage_data=s)
+                      for i, s in zip(plan.items, stored, strict=True)])
+
+    async def _write(self, where: _RankPlan, name: str, layout: Layout) -> bytes:
+        writer = CheckpointWriter(self._target(), rank=where.rank, world_size=where.world_size,
+                                  attempt=where.attempt, config=self.config, barrier=HandedBarrier({}))
+        await writer.__aenter__()
+        try:
+            if layout.size:
+                await writer.put_layout(name, layout)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):  # the upload's own error is what the caller sees
+                await writer.hand_off(exc)
+            raise
+        return await writer.hand_off()
+
+    def finish(self, metadata: dcp_meta.Metadata, results: list[list[WriteResult]]) -> None:
+        manifests: dict[int, RankManifest] = {}
+        storage: dict[dcp_meta.MetadataIndex, StoredItem] = {}
+        for rank, rank_results in enumerate(results):
+            for r in rank_results:
+                item: StoredItem = r.storage_data
+                if item.manifest is not None:
+                    manifests[rank] = RankManifest.decode(item.manifest, f"manifest of rank {rank}")
+                storage[r.index] = dataclasses.replace(item, manifest=None)
+        metadata.storage_data = storage
+        buf = io.BytesIO()
+        torch.save(metadata, buf)
+        _run(self._commit(buf.getvalue(), manifests, len(results)))
+
+    async def _commit(self, metadata: bytes, manifests: dict[int, RankManifest], world_size: int) -> None:
+        """Coordinator: write ``.metadata``, then commit every rank's manifest (ranks without items wrote none)."""
+        attempts = {m.attempt for m in manifests.values()}
+        attempt = attempts.pop() if len(attempts) == 1 else None
+        if attempt is None:
+            raise CheckpointError(f"DCP save to {self.uri}: ranks report attempts {sorted(attempts)}")
+        own = manifests.pop(0, None)
+        handed = {r: manifests.get(r, RankManifest(attempt, r, world_size)).encode() for r in range(1, world_size)}
+        writer = CheckpointWriter(self._target(), rank=0, world_size=world_size, attempt=attempt,
+                                  config=self.config, barrier=HandedBarrier(handed))
+        async with writer:
+            if own is not None:
+                writer.record_written(own.files)
+            await writer.put_layout(METADATA, Layout([metadata]))
+
+    def storage_meta(self) -> dcp_meta.StorageMeta | None:
+        return dcp_meta.StorageMeta(checkpoint_id=self.uri)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            return parse_uri(os.fspath(checkpoint_id)).backend != "delegate"
+        except ValueError:
+            return False
+
+
+class Reader(StorageReader):
+    """``StorageReader`` for ``dcp.load`` from the committed fastckpt checkpoint ``uri`` (any backend)."""
+
+    def __init__(self, uri: str | os.PathLike[str] | None = None, *, config: TransferConfig | None = None) -> None:
+        super().__init__()
+        self.uri = os.fspath(uri) if uri is not None else None
+        self.config = config
+        self._ckpt: Checkpoint | None = None
+        self._storage: dict[dcp_meta.MetadataIndex, StoredItem] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.uri = os.fspath(checkpoint_id)
+        self._ckpt = None
+
+    def _target(self) -> StorageURI:
+        if self.uri is None:
+            raise ValueError("fastckpt.torch.dcp.Reader needs a checkpoint URI (uri= or checkpoint_id=)")
+        return parse_uri(self.uri)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_meta.Metadata:
+        self._ckpt = _run(open_checkpoint_async(self._target(), config=self.config))
+        if METADATA not in self._ckpt.files:
+            raise CheckpointError(f"{self.uri} is a fastckpt checkpoint, but not one written by dcp.save")
+        out = bytearray(self._digest(METADATA).size)
+        _run(self._read({METADATA: [(0, out)]}))
+        with torch.serialization.safe_globals(_SAFE):
+            metadata = torch.load(io.BytesIO(bytes(out)), weights_only=True)
+        if not isinstance(metadata, dcp_meta.Metadata):
+            raise CheckpointError(f"{self.uri}/{METADATA} does not hold DCP metadata")
+        return metadata
+
+    def set_up_storage_reader(self, metadata: dcp_meta.Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        self._storage = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        by_file: dict[str, list[Any]] = defaultdict(list)
+        for req in plan.items:
+            by_file[self._storage[req.storage_index].name].append(req)
+        wanted = {name: [(self._storage[r.storage_index].offset, bytearray(self._storage[r.storage_index].length))
+                         for r in reqs] for name, reqs in by_file.items()}
+        _run(self._read(wanted))
+        for name, reqs in by_file.items():
+            for req, (_, data) in zip(reqs, wanted[name], strict=True):
+                self._deliver(req, data, planner)
+        return _done(None)
+
+    def _deliver(self, req: Any, data: bytearray, planner: LoadPlanner) -> None:
+        item = self._storage[req.storage_index]
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(data))
+            return
+        if item.dtype is None or item.shape is None:
+            raise CheckpointError(f"{self.uri}: item {req.storage_index} is not a stored tensor")
+        tensor = torch.frombuffer(data, dtype=item.dtype).reshape(item.shape) if data else \
+            torch.empty(item.shape, dtype=item.dtype)
+        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+            tensor = tensor.narrow(dim, start, length)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CheckpointError(f"{self.uri}: {req.storage_index} is {list(tensor.size())}, "
+                                  f"the destination {list(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+    def _digest(self, name: str) -> Any:
+        assert self._ckpt is not None
+        digest = self._ckpt.files.get(name)
+        if digest is None:
+            raise CheckpointError(f"{self.uri}: file {name} is not in the checkpoint's manifests")
+        return digest
+
+    async def _read(self, files: dict[str, list[tuple[int, bytearray]]]) -> None:
+        """Fill each ``(offset, buffer)`` of each file: the chunks covering them are read (spans closer than a
+        chunk together, up to ``GROUP_BYTES``), each checked against its recorded digest."""
+        cfg = self.config or TransferConfig.from_env()
+        async with open_store(self._target(), cfg) as store:
+            transfer = Transfer(store, cfg)
+            try:
+                await gather_bounded([self._read_span(transfer, name, group) for name, wanted in files.items()
+                                      for group in self._groups(name, wanted)], 2)
+            finally:
+                transfer.close()
+
+    def _groups(self, name: str, wanted: list[tuple[int, bytearray]]) -> list[list[tuple[int, bytearray]]]:
+        cs = self._digest(name).chunk_size
+        groups: list[list[tuple[int, bytearray]]] = []
+        for offset, buf in sorted(wanted, key=lambda w: w[0]):
+            if not buf:
+                continue
+            if groups:
+                first, (last, last_buf) = groups[-1][0][0] // cs * cs, groups[-1][-1]
+                if offset // cs <= -(-(last + len(last_buf)) // cs) and offset + len(buf) - first <= GROUP_BYTES:
+                    groups[-1].append((offset, buf))
+                    continue
+            groups.append([(offset, buf)])
+        return groups
+
+    async def _read_span(self, transfer: Transfer, name: str, group: list[tuple[int, bytearray]]) -> None:
+        assert self._ckpt is not None
+        digest, chunks = self._digest(name), self._ckpt.chunks.get(name)
+        if chunks is None:
+            raise CheckpointError(f"{self.uri}: {name} has no chunk digests recorded; not written by this plugin")
+        cs = digest.chunk_size
+        start = group[0][0] // cs * cs
+        end = min(digest.size, -(-max(o + len(b) for o, b in group) // cs) * cs)
+        span = bytearray(end - start)
+        got = await read_layout(transfer, self._ckpt.file_key(name), start, Layout([span]), cs)
+        for i, d in enumerate(got, start // cs):
+            if d.hex() != chunks[i]:
+                raise IntegrityError(f"{self.uri}/{name}: chunk {i} does not match its recorded digest")
+        for offset, buf in group:
+            buf[:] = span[offset - start:offset - start + len(buf)]
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return Writer.validate_checkpoint_id(checkpoint_id)
+
+
+_SAFE = [dcp_meta.Metadata, dcp_meta.TensorStorageMetadata, dcp_meta.BytesStorageMetadata,
+         dcp_meta.ChunkStorageMetadata, dcp_meta.TensorProperties, dcp_meta.MetadataIndex, dcp_meta.StorageMeta,
+         dcp_meta._MEM_FORMAT_ENCODING,
+         StoredItem]

@@ -1,0 +1,179 @@
+"""Loading tensor state: parallel ranged reads straight into the destination tensors, verified."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._loop import run_sync
+from ..checkpoint.reader import open_checkpoint_async
+from ..config import TransferConfig
+from ..engine.memory import Layout, read_layout
+from ..engine.transfer import Transfer
+from ..errors import CheckpointError, IntegrityError
+from ..integrity import FileDigest
+from ..stores import open_store
+from ..stores.base import read_range
+from ..uri import StorageURI, parse_uri
+from .format import Header, TensorEntry, flatten, header_length, parse_header, unflatten
+from .save import rank_file
+from .staging import Staging, byte_view, synchronize
+
+HEAD_READ = 64 << 10
+"""Bytes read first to find the header (one more request when the header is longer)."""
+
+
+@dataclass
+class _Target:
+    """Where one stored tensor goes: ``tensor`` itself, or (when it is not contiguous) ``bounce``, then copied
+    into it."""
+
+    entry: TensorEntry
+    tensor: torch.Tensor
+    bounce: torch.Tensor | None = None
+
+    @property
+    def dest(self) -> torch.Tensor:
+        """The contiguous tensor the bytes are written into."""
+        return self.bounce if self.bounce is not None else self.tensor
+
+
+def load(uri: str | StorageURI, *, state_dict: Any = None, device: str | torch.device | None = None,
+         rank: int | None = None, world_size: int | None = None, config: TransferConfig | None = None,
+         staging: Staging | None = None) -> Any:
+    """Load rank ``rank``'s state from committed checkpoint ``uri``; see ``load_async``."""
+    return run_sync(load_async(uri, state_dict=state_dict, device=device, rank=rank, world_size=world_size,
+                               config=config, staging=staging))
+
+
+async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: str | torch.device | None = None,
+                     rank: int | None = None, world_size: int | None = None, config: TransferConfig | None = None,
+                     staging: Staging | None = None) -> Any:
+    """The state rank ``rank`` saved to checkpoint ``uri`` (committed only), every byte verified against the
+    manifest (IntegrityError on a mismatch).
+
+    With ``state_dict``, each of its tensors is filled in place from the stored tensor of the same key path
+    (shape and dtype must match) and is what the result holds; other tensors are created on ``device``
+    (default CPU). CPU tensors receive their bytes straight from the network or file; tensors on a device
+    go through ``staging`` (default: a 256 MiB pinned area), window by window, copied ``non_blocking``.
+    Passing ``staging`` sends CPU tensors through it too. ``rank`` may be left out for a one-rank checkpoint.
+    """
+    base = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
+    cfg = config or TransferConfig.from_env()
+    ckpt = await open_checkpoint_async(base, config=cfg)
+    saved = ckpt.info.world_size or 1
+    if world_size is not None and world_size != saved:
+        raise CheckpointError(f"checkpoint {base.raw} was saved by {saved} rank(s), not {world_size}; "
+                              "load each saved rank's state, or save through fastckpt.torch.dcp to reshard")
+    if rank is None:
+        if saved != 1:
+            raise CheckpointError(f"checkpoint {base.raw} was saved by {saved} ranks: pass rank=")
+        rank = 0
+    name = rank_file(rank)
+    digest = ckpt.files.get(name)
+    if digest is None:
+        raise CheckpointError(f"checkpoint {base.raw} holds no tensor state of rank {rank} ({name})")
+    async with open_store(base, cfg) as store:
+        transfer = Transfer(store, cfg)
+        try:
+            key = ckpt.file_key(name)
+            what = f"{base.raw}/{name}"
+            head = await read_range(transfer.store, key, 0, min(HEAD_READ, digest.size))
+            need = header_length(head, what)
+            if need > len(head):
+                head = await read_range(transfer.store, key, 0, need)
+            header = parse_header(head[:need], digest.size, what)
+            if header.size != digest.size:
+                raise CheckpointError(f"{what}: header describes {header.size} bytes, the manifest {digest.size}")
+            targets = _targets(header, state_dict, torch.device(device or "cpu"), what)
+            staged = staging is not None or any(t.dest.device.type != "cpu" for t in targets)
+            if staged:
+                chunks = await _read_staged(transfer, key, header, targets, digest, staging or Staging(256 << 20))
+            else:
+                chunks = await _read_direct(transfer, key, header, targets, digest)
+        finally:
+            transfer.close()
+    digest.check(chunks, what)
+    for t in targets:
+        if t.bounce is not None:
+            t.tensor.copy_(t.bounce)
+    return unflatten(header.skeleton, {t.entry.name: t.tensor for t in targets}, what)
+
+
+def _targets(header: Header, template: Any, device: torch.device, what: str) -> list[_Target]:
+    """Destination tensors in file order: the template's (checked) or new ones on ``device``."""
+    given = flatten(template)[1] if template is not None else {}
+    missing = sorted(set(given) - set(header.tensors))
+    if missing:
+        raise CheckpointError(f"{what}: no stored tensor for {missing[:5]}" + (" ..." if len(missing) > 5 else ""))
+    out = []
+    for entry in sorted(header.tensors.values(), key=lambda e: e.start):
+        tensor = given.get(entry.name)
+        if tensor is None:
+            tensor = torch.empty(entry.shape, dtype=entry.dtype, device=device)
+        elif (tuple(tensor.shape), tensor.dtype) != (entry.shape, entry.dtype):
+            raise CheckpointError(f"{what}: tensor {entry.name!r} is stored as {entry.dtype}{list(entry.shape)}, "
+                                  f"the state_dict has {tensor.dtype}{list(tensor.shape)}")
+        bounce = None if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        out.append(_Target(entry, tensor, bounce))
+    return out
+
+
+def _layout(header: Header, targets: list[_Target], head: bytearray) -> Layout:
+    """The whole file as views: the header, then each tensor's memory; gaps go to scratch buffers."""
+    views: list[memoryview | bytearray] = [head]
+    pos = 0
+    for t in targets:
+        if t.entry.start > pos:
+            views.append(bytearray(t.entry.start - pos))
+        if t.entry.nbytes:
+            views.append(byte_view(t.dest))
+        pos = max(pos, t.entry.end)
+    return Layout(views)
+
+
+async def _read_direct(transfer: Transfer, key: str, header: Header, targets: list[_Target],
+                       digest: FileDigest) -> list[bytes]:
+    head = bytearray(header.data_start)
+    chunks = await read_layout(transfer, key, 0, _layout(header, targets, head), digest.chunk_size)
+    _same_header(head, header, key)
+    return chunks
+
+
+async def _read_staged(transfer: Transfer, key: str, header: Header, targets: list[_Target], digest: FileDigest,
+                       staging: Staging) -> list[bytes]:
+    """Read the file window by window into ``staging`` and copy each tensor's share to it (``non_blocking``)."""
+    chunk = digest.chunk_size
+    if staging.capacity is not None and staging.capacity < chunk:
+        raise ValueError(f"staging area of {staging.capacity} bytes is smaller than one chunk of {key} "
+                         f"({chunk} bytes)")
+    window = staging.capacity // chunk * chunk if staging.capacity else 8 * chunk
+    area = staging.buffer(min(window, digest.size))
+    chunks: list[bytes] = []
+    for start in range(0, digest.size, window):
+        length = min(window, digest.size - start)
+        view = area[:length]
+        chunks += await read_layout(transfer, key, start, Layout([byte_view(view)]), chunk)
+        if start < header.data_start:
+            _same_header(bytes(byte_view(view[:min(length, header.data_start - start)])),
+                         header, key, start)
+        devices: set[torch.device] = set()
+        for t in targets:
+            lo = max(t.entry.start + header.data_start, start)
+            hi = min(t.entry.end + header.data_start, start + length)
+            if lo < hi:
+                dst = t.dest.reshape(-1).view(torch.uint8)
+                offset = lo - header.data_start - t.entry.start
+                on_device = dst.device.type != "cpu"
+                dst[offset:offset + hi - lo].copy_(view[lo - start:hi - start], non_blocking=on_device)
+                if on_device:
+                    devices.add(dst.device)
+        synchronize(devices)  # the window is overwritten next
+    return chunks
+
+
+def _same_header(found: bytes | bytearray, header: Header, key: str, start: int = 0) -> None:
+    if bytes(found) != header.raw[start:start + len(found)]:
+        raise IntegrityError(f"{key}: header changed between reads")

@@ -1,0 +1,98 @@
+"""Saving tensor state straight from memory: ``save`` and ``async_save`` into one committed checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from typing import Any, Literal
+
+from .._loop import BackgroundLoop, run_sync
+from ..checkpoint.barrier import Barrier
+from ..checkpoint.writer import CheckpointWriter, CommitResult
+from ..config import TransferConfig
+from ..engine.memory import Layout
+from ..stores.base import Store
+from .format import build_header, flatten
+from .staging import Staging, byte_view, default_staging, distributed_defaults
+
+
+def rank_file(rank: int) -> str:
+    """Name of rank ``rank``'s tensor file inside the checkpoint."""
+    return f"rank-{rank:05d}.safetensors"
+
+
+class SaveHandle:
+    """An ``async_save`` in flight: ``wait()`` returns its commit result or raises what failed it."""
+
+    def __init__(self, future: concurrent.futures.Future[CommitResult], blocked_s: float) -> None:
+        self._future = future
+        self.blocked_s = blocked_s
+        """Seconds the caller was blocked (staging the tensors)."""
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed)."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> CommitResult:
+        """Wait for the commit; raises the save's exception (nothing was committed then), or TimeoutError."""
+        return self._future.result(timeout)
+
+    def exception(self) -> BaseException | None:
+        """The save's exception once it is done (None when it committed); waits for it to finish."""
+        return self._future.exception()
+
+
+def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int | None = None,
+         barrier: Barrier | None = None, attempt: str | None = None, config: TransferConfig | None = None,
+         store: Store | None = None) -> CommitResult:
+    """Save ``state_dict`` (this rank's share) to checkpoint ``uri`` and commit it with the other ranks.
+
+    CPU tensors are uploaded straight from their memory (no copy, no local file); the call returns once
+    the checkpoint is committed. Device tensors go through a temporary host staging area. ``rank`` and
+    ``world_size`` default to ``torch.distributed``'s (else 0 and 1); ``barrier`` then defaults to a
+    ``TorchBarrier`` on a gloo group of its own.
+    """
+    rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
+    skeleton, tensors = flatten(state_dict)
+    if any(t.device.type != "cpu" for t in tensors.values()):
+        return async_save(state_dict, uri, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
+                          config=config, store=store, staging=Staging()).wait()
+    header = build_header(skeleton, tensors)
+    views = [header.raw] + [byte_view(tensors[n].detach().contiguous()) for n in header.tensors]
+    return run_sync(_commit(Layout(views), uri, rank, world_size, barrier, attempt, config, store))
+
+
+def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int | None = None,
+               barrier: Barrier | None = None, attempt: str | None = None, config: TransferConfig | None = None,
+               store: Store | None = None, staging: Staging | None = None,
+               if_busy: Literal["wait", "error"] = "wait") -> SaveHandle:
+    """Copy ``state_dict``'s tensors into host staging memory, then upload and commit in the background.
+
+    The caller is blocked only for the copies (device tensors: ``non_blocking`` into pinned memory, one
+    synchronize); training may change the tensors as soon as this returns. ``staging`` (default: one per
+    process, grown to the largest state saved) is reused by every save; while an earlier save from the
+    same staging is still uploading, ``if_busy="wait"`` waits for it and ``"error"`` raises RuntimeError.
+    The upload runs on fastckpt's background loop; the handle's ``wait()`` surfaces its outcome.
+    """
+    rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
+    started = time.perf_counter()
+    staging = staging or default_staging(rank)
+    skeleton, tensors = flatten(state_dict)
+    header = build_header(skeleton, tensors)
+    with staging.claim(if_busy):
+        data = staging.stage(header, tensors)
+        coro = _commit(Layout([header.raw, data]), uri, rank, world_size, barrier, attempt, config, store)
+        future = asyncio.run_coroutine_threadsafe(coro, BackgroundLoop.get().loop)
+        staging.track(future)
+    return SaveHandle(future, time.perf_counter() - started)
+
+
+async def _commit(layout: Layout, uri: str, rank: int, world_size: int, barrier: Barrier | None,
+                  attempt: str | None, config: TransferConfig | None, store: Store | None) -> CommitResult:
+    writer = CheckpointWriter(uri, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
+                              config=config, store=store)
+    async with writer:
+        await writer.put_layout(rank_file(rank), layout)
+    assert writer.result is not None
+    return writer.result

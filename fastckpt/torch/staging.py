@@ -1,0 +1,133 @@
+"""Host memory for tensor transfers: the reused (pinned) staging area, byte views of tensors, and the
+``torch.distributed`` defaults of rank, world size and barrier."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.barrier import Barrier
+from .format import Header
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of contiguous CPU ``tensor`` (no copy)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def synchronize(devices: set[torch.device]) -> None:
+    """Wait for the copies queued on ``devices``."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        else:
+            torch.accelerator.synchronize(device)
+
+
+class Staging:
+    """Reused host memory that ``async_save`` copies tensors into before uploading them.
+
+    Pinned (page-locked) when CUDA is available, so device copies run asynchronously at full speed.
+    ``capacity`` (bytes) caps it: a state larger than that fails clearly; without it the area grows to the
+    largest state staged and keeps that size. One save at a time uses a staging area.
+    """
+
+    def __init__(self, capacity: int | None = None, *, pin: bool | None = None) -> None:
+        self.capacity = capacity
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._buffer: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        self._inflight: concurrent.futures.Future[Any] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now."""
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of the area as a uint8 tensor (grown when needed and allowed)."""
+        if self.capacity is not None and nbytes > self.capacity:
+            raise ValueError(f"state of {nbytes} bytes does not fit the staging area of {self.capacity} bytes; "
+                             f"raise its capacity")
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = None
+            self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.pin)
+        return self._buffer[:nbytes]
+
+    @contextlib.contextmanager
+    def claim(self, if_busy: Literal["wait", "error"]) -> Iterator[None]:
+        """Hold the area for one save, once the previous save that used it has finished uploading."""
+        busy = "an async_save from this staging area is still uploading"
+        if not self._lock.acquire(blocking=if_busy == "wait"):
+            raise RuntimeError(busy)
+        try:
+            previous = self._inflight
+            if previous is not None and not previous.done():
+                if if_busy == "error":
+                    raise RuntimeError(busy + " (pass if_busy='wait' to wait for it)")
+                concurrent.futures.wait([previous])
+            self._inflight = None
+            yield
+        finally:
+            self._lock.release()
+
+    def track(self, future: concurrent.futures.Future[Any]) -> None:
+        """The upload now reading the area (the next ``claim`` waits for it)."""
+        self._inflight = future
+
+    def stage(self, header: Header, tensors: dict[str, torch.Tensor]) -> memoryview:
+        """Copy ``tensors`` into the area as laid out by ``header``; returns the data section's bytes."""
+        size = header.size - header.data_start
+        area = self.buffer(size)
+        devices: set[torch.device] = set()
+        for name, entry in header.tensors.items():
+            if entry.nbytes:
+                src = tensors[name].detach()
+                dst = area[entry.start:entry.end].view(entry.dtype).view(entry.shape)
+                dst.copy_(src, non_blocking=src.device.type != "cpu")
+                if src.device.type != "cpu":
+                    devices.add(src.device)
+        synchronize(devices)
+        return byte_view(area) if size else memoryview(b"")
+
+    def close(self) -> None:
+        """Free the memory (waits for an upload still reading it)."""
+        with self._lock:
+            if self._inflight is not None:
+                concurrent.futures.wait([self._inflight])
+            self._buffer = None
+
+
+_defaults: dict[int, Staging] = {}
+_gloo: Any = None
+
+
+def default_staging(rank: int) -> Staging:
+    """The process's staging area for ``rank`` (one per rank, so ranks sharing a process never wait on
+    each other's uploads)."""
+    return _defaults.setdefault(rank, Staging())
+
+
+def distributed_defaults(rank: int | None, world_size: int | None, barrier: Barrier | None
+                         ) -> tuple[int, int, Barrier | None]:
+    """Rank, world size and barrier: from ``torch.distributed`` when it is initialised and they are not
+    given (the barrier: a ``TorchBarrier`` on a gloo group of its own, so the commit's collectives never
+    interleave with training's), else rank 0 of 1 and the default barrier."""
+    global _gloo
+    initialised = dist.is_available() and dist.is_initialized()
+    if initialised:
+        rank = dist.get_rank() if rank is None else rank
+        world_size = dist.get_world_size() if world_size is None else world_size
+        if barrier is None and world_size > 1 and world_size == dist.get_world_size():
+            from ..checkpoint.barrier_torch import TorchBarrier
+
+            if _gloo is None:
+                _gloo = dist.new_group(backend="gloo")
+            barrier = TorchBarrier(_gloo)
+    return (0 if rank is None else rank), (1 if world_size is None else world_size), barrier

@@ -1,0 +1,110 @@
+"""A torch.distributed.checkpoint job over fastckpt: ``python -m tests.ranks.dcp_job MODE URI WORLD PORT``.
+
+Forks ``WORLD`` gloo ranks that hold an FSDP-style state (DTensors sharded on dim 0 over a CPU mesh).
+Modes: ``save`` (``dcp.save`` to ``URI/a``, ``dcp.async_save`` to ``URI/b``, then both loaded back and
+compared), ``load`` (``URI/a`` and ``URI/b`` loaded by this world size, resharded), ``crash`` (rank 2 dies
+while uploading its share of ``URI/c``), ``resave`` (``URI/c`` saved and loaded). Exit status 0 when every
+rank's check passed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import fastckpt.checkpoint.writer
+from fastckpt.torch.dcp import Reader, Writer
+
+SHAPES = {"embed": (96, 40), "layer.0.w": (64, 64), "layer.0.b": (64,), "head": (40, 96)}
+
+
+def full_state(seed: int) -> dict[str, torch.Tensor]:
+    """The unsharded tensors of a checkpoint (the same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {name: torch.randn(shape, generator=g) for name, shape in SHAPES.items()}
+    out["embed"] = out["embed"].to(torch.bfloat16)
+    return out
+
+
+def sharded(full: dict[str, torch.Tensor], mesh, step: int) -> dict:
+    model = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    optim = {f"{k}.exp_avg": distribute_tensor(v * 0.5, mesh, [Shard(0)]) for k, v in full.items()}
+    return {"model": model, "optim": optim, "step": step, "run": "llm"}
+
+
+def check(loaded: dict, full: dict[str, torch.Tensor], step: int) -> None:
+    for k, v in full.items():
+        assert torch.equal(loaded["model"][k].full_tensor(), v), f"model {k} differs"
+        assert torch.equal(loaded["optim"][f"{k}.exp_avg"].full_tensor(), v * 0.5), f"optim {k} differs"
+    assert loaded["step"] == step and loaded["run"] == "llm", (loaded["step"], loaded["run"])
+
+
+def load_into(uri: str, mesh, seed: int) -> dict:
+    target = sharded({k: torch.zeros_like(v) for k, v in full_state(seed).items()}, mesh, -1)
+    target["run"] = ""
+    dcp.load(target, storage_reader=Reader(uri))
+    return target
+
+
+async def die_mid_upload(transfer, layout, key, **_):  # type: ignore[no-untyped-def]
+    """Rank 2 of a ``crash`` job: starts its multipart upload, sends one part and dies."""
+    mpu = await transfer.store.create_multipart(key, transfer.store.min_part_size, None, if_absent=True)
+    await mpu.put_part(0, layout.pieces(0, layout.size // 2)[0])
+    os._exit(9)
+
+
+def under(base: str, name: str) -> str:
+    """URI of ``name`` below ``base``, keeping ``base``'s query options."""
+    path, _, query = base.partition("?")
+    return f"{path.rstrip('/')}/{name}" + (f"?{query}" if query else "")
+
+
+def rank_main(rank: int, mode: str, base: str, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    try:
+        if mode == "save":
+            dcp.save(sharded(full_state(1), mesh, 10), storage_writer=Writer(under(base, "a")))
+            dcp.async_save(sharded(full_state(2), mesh, 20), storage_writer=Writer(under(base, "b"))).result()
+            check(load_into(under(base, "a"), mesh, 1), full_state(1), 10)
+            check(load_into(under(base, "b"), mesh, 2), full_state(2), 20)
+        elif mode == "load":
+            check(load_into(under(base, "a"), mesh, 1), full_state(1), 10)
+            check(load_into(under(base, "b"), mesh, 2), full_state(2), 20)
+        elif mode == "crash":
+            if rank == 2:
+                fastckpt.checkpoint.writer.upload_layout = die_mid_upload
+            dcp.save(sharded(full_state(3), mesh, 30), storage_writer=Writer(under(base, "c")))
+        elif mode == "resave":
+            dcp.save(sharded(full_state(4), mesh, 40), storage_writer=Writer(under(base, "c")))
+            check(load_into(under(base, "c"), mesh, 4), full_state(4), 40)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> int:
+    mode, uri, world, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=rank_main, args=(r, mode, uri, world, port)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+        if p.is_alive():
+            p.kill()
+    codes = [p.exitcode for p in procs]
+    print("exit codes:", codes, flush=True)
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The torch.distributed.checkpoint plugin in real multi-process gloo jobs (tests/ranks/dcp_job.py):
+FSDP-style sharded state saved by 4 ranks, loaded back by 4 and by 2 (DCP's resharding), a rank killed
+mid-save leaving no checkpoint, and the next save over its leftovers."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch.distributed.checkpoint")
+
+import fastckpt  # noqa: E402
+from fastckpt import CheckpointError  # noqa: E402
+
+from .test_torch import ckpt  # noqa: E402
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def job(mode: str, uri: str, world: int) -> subprocess.CompletedProcess[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return subprocess.run([sys.executable, "-m", "tests.ranks.dcp_job", mode, uri, str(world), str(port)], cwd=REPO,
+                          capture_output=True, text=True, timeout=280)
+
+
+def ok(run: subprocess.CompletedProcess[str]) -> None:
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_sharded_save_and_resharded_load(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    base = f"file://{tmp_path}/store" if backend == "local" else request.getfixturevalue("s3_uri")
+    ok(job("save", base, 4))  # dcp.save and dcp.async_save by 4 ranks, loaded back by the same 4
+    infos = {c.name: c for c in fastckpt.list_checkpoints(base)}
+    assert {n: (c.state, c.world_size) for n, c in infos.items()} == {"a": ("committed", 4), "b": ("committed", 4)}
+    assert fastckpt.verify(ckpt(base, "a")).ok
+    ok(job("load", base, 2))  # resharded onto 2 ranks
+
+
+def test_rank_killed_mid_save_leaves_no_checkpoint(tmp_path: Path) -> None:
+    base = f"file://{tmp_path}/store"
+    crashed = job("crash", base, 4)
+    assert crashed.returncode != 0 and "exit codes: [1, 1, 9, 1]" in crashed.stdout, crashed.stdout[-2000:]
+    assert fastckpt.latest(base) is None
+    with pytest.raises(CheckpointError, match="not committed"):
+        fastckpt.open_checkpoint(ckpt(base, "c"))
+    report = fastckpt.gc(base, older_than_s=0)
+    assert report.aborted_uploads and report.removed
+    ok(job("resave", base, 2))  # a new run saves the same checkpoint and loads it back
+    assert fastckpt.latest(base).endswith("/c")
