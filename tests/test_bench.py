@@ -160,3 +160,29 @@ def test_s3_round_and_silent_peer_failure_caught(tmp_path: Path, ckpt: str, monk
     doc = _load(out)
     _check_doc(doc, ["fastckpt", "pyarrow", "s5cmd"], ("upload", "download"))
     assert doc["meta"]["server"] == {"endpoint": server.endpoint}
+
+
+def test_state_bench_runs_every_local_engine(tmp_path: Path) -> None:
+    """The tensor-state benchmark end to end on the local target (tiny model, one round): every engine
+    saves and loads, and the loads are checked against what was saved."""
+    from bench import state_bench
+
+    out = tmp_path / "state.json"
+    assert state_bench.main(["--target", "local", "--params", "3M", "--rounds", "1", "--out", str(out),
+                             "--workdir", str(tmp_path / "work")]) == 0
+    doc = json.loads(out.read_text())
+    assert {r["engine"] for r in doc["runs"]} == set(state_bench.ENGINES["local"])
+    for run in doc["runs"]:
+        assert run["save"]["commit_s"] >= run["save"]["blocked_s"] > 0 and run["load"]["problems"] == []
+    fast = next(r for r in doc["runs"] if r["engine"] == "fastckpt")
+    assert fast["save"]["copy_s"] > 0
+
+
+def test_state_bench_refuses_cuda_without_a_gpu() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    from bench import state_bench
+
+    with pytest.raises(SystemExit, match="--device cuda needs a CUDA GPU"):
+        state_bench.main(["--device", "cuda"])

@@ -13,10 +13,10 @@ import pytest
 
 pytest.importorskip("torch.distributed.checkpoint")
 
-import fastckpt  # noqa: E402
-from fastckpt import CheckpointError  # noqa: E402
+import fastckpt
+from fastckpt import CheckpointError
 
-from .test_torch import ckpt  # noqa: E402
+from .test_torch import ckpt
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -55,3 +55,16 @@ def test_rank_killed_mid_save_leaves_no_checkpoint(tmp_path: Path) -> None:
     assert report.aborted_uploads and report.removed
     ok(job("resave", base, 2))  # a new run saves the same checkpoint and loads it back
     assert fastckpt.latest(base).endswith("/c")
+
+
+def test_fastckpt_torch_ranks_through_torch_distributed(tmp_path: Path) -> None:
+    """fastckpt.torch under a real gloo job: rank, world size and barrier from torch.distributed; a rank
+    killed mid-upload commits nothing."""
+    base = f"file://{tmp_path}/store"
+    ok(job("ft", base, 4))
+    assert [(c.name, c.world_size) for c in fastckpt.list_checkpoints(base)] == [("t", 4)]
+    crashed = job("ft-crash", base, 4)
+    assert crashed.returncode != 0 and "exit codes: [1, 1, 9, 1]" in crashed.stdout, crashed.stdout[-2000:]
+    assert fastckpt.latest(base).endswith("/t")
+    with pytest.raises(CheckpointError, match="not committed"):
+        fastckpt.open_checkpoint(ckpt(base, "u"))

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import io
 import os
+import queue
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,7 @@ from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..checkpoint.writer import CheckpointWriter, attempt_from_env, new_attempt_id
 from ..config import TransferConfig
 from ..engine.memory import Layout, read_layout
-from ..engine.tasks import gather_bounded
+from ..engine.tasks import gather_all
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError
 from ..stores import open_store
@@ -50,8 +51,10 @@ from ..uri import StorageURI, parse_uri
 from .staging import byte_view
 
 METADATA = ".metadata"
-GROUP_BYTES = 256 << 20
+GROUP_BYTES = 128 << 20
 """Largest span of one file read in one go on load (ranges closer than a chunk are read together)."""
+SPANS_AHEAD = 3
+"""Spans read ahead of the one being handed to the planner (memory: about this many times GROUP_BYTES)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,16 @@ class StoredItem:
     manifest: bytes | None = None
     """The writing rank's manifest, carried to the coordinator on the rank's first item (dropped before
     ``.metadata`` is written)."""
+
+
+@dataclass
+class _Span:
+    """``[start, end)`` of file ``name`` (chunk-aligned), read in one go for ``items`` (request, offset, length)."""
+
+    name: str
+    start: int
+    end: int
+    items: list[tuple[Any, int, int]]
 
 
 def _rank_file(rank: int) -> str:
@@ -227,10 +240,11 @@ class Reader(StorageReader):
         self._ckpt = _run(open_checkpoint_async(self._target(), config=self.config))
         if METADATA not in self._ckpt.files:
             raise CheckpointError(f"{self.uri} is a fastckpt checkpoint, but not one written by dcp.save")
-        out = bytearray(self._digest(METADATA).size)
-        _run(self._read({METADATA: [(0, out)]}))
+        size = self._digest(METADATA).size
+        arrived: queue.Queue[Any] = queue.Queue()
+        _run(self._read([_Span(METADATA, 0, size, [])], arrived, asyncio.Semaphore(1)))
         with torch.serialization.safe_globals(_SAFE):
-            metadata = torch.load(io.BytesIO(bytes(out)), weights_only=True)
+            metadata = torch.load(io.BytesIO(arrived.get()[1]), weights_only=True)
         if not isinstance(metadata, dcp_meta.Metadata):
             raise CheckpointError(f"{self.uri}/{METADATA} does not hold DCP metadata")
         return metadata
@@ -246,25 +260,36 @@ class Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        by_file: dict[str, list[Any]] = defaultdict(list)
-        for req in plan.items:
-            by_file[self._storage[req.storage_index].name].append(req)
-        wanted = {name: [(self._storage[r.storage_index].offset, bytearray(self._storage[r.storage_index].length))
-                         for r in reqs] for name, reqs in by_file.items()}
-        _run(self._read(wanted))
-        for name, reqs in by_file.items():
-            for req, (_, data) in zip(reqs, wanted[name], strict=True):
-                self._deliver(req, data, planner)
+        """Spans of the files are read on fastckpt's loop (a few ahead) and handed to the planner here, in order
+        of arrival; memory stays at a few spans whatever the plan's size."""
+        spans = self._spans(plan.items)
+        arrived: queue.Queue[tuple[_Span, bytearray] | BaseException] = queue.Queue()
+        loop = BackgroundLoop.get().loop
+        slots = asyncio.Semaphore(SPANS_AHEAD)  # taken on the loop, given back from here
+        reading = asyncio.run_coroutine_threadsafe(self._read(spans, arrived, slots), loop)
+        try:
+            for _ in spans:
+                got = arrived.get()
+                if isinstance(got, BaseException):
+                    raise got
+                span, data = got
+                view = memoryview(data)
+                for req, offset, length in span.items:
+                    self._deliver(req, view[offset - span.start:offset - span.start + length], planner)
+                view.release()
+                loop.call_soon_threadsafe(slots.release)
+        finally:
+            reading.cancel()
         return _done(None)
 
-    def _deliver(self, req: Any, data: bytearray, planner: LoadPlanner) -> None:
+    def _deliver(self, req: Any, data: memoryview, planner: LoadPlanner) -> None:
         item = self._storage[req.storage_index]
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(data))
             return
         if item.dtype is None or item.shape is None:
             raise CheckpointError(f"{self.uri}: item {req.storage_index} is not a stored tensor")
-        tensor = torch.frombuffer(data, dtype=item.dtype).reshape(item.shape) if data else \
+        tensor = torch.frombuffer(data, dtype=item.dtype).reshape(item.shape) if len(data) else \
             torch.empty(item.shape, dtype=item.dtype)
         for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
             tensor = tensor.narrow(dim, start, length)
@@ -275,6 +300,27 @@ class Reader(StorageReader):
         target.copy_(tensor)
         planner.commit_tensor(req, target)
 
+    def _spans(self, reqs: list[Any]) -> list[_Span]:
+        """The requests' byte ranges grouped into chunk-aligned spans of one file (ranges closer than a chunk
+        together, up to ``GROUP_BYTES`` a span)."""
+        by_file: dict[str, list[tuple[Any, int, int]]] = defaultdict(list)
+        for req in reqs:
+            item = self._storage[req.storage_index]
+            by_file[item.name].append((req, item.offset, item.length))
+        spans: list[_Span] = []
+        for name, items in by_file.items():
+            digest = self._digest(name)
+            cs = digest.chunk_size
+            span: _Span | None = None
+            for req, offset, length in sorted(items, key=lambda i: i[1]):
+                end = min(digest.size, -(-(offset + length) // cs) * cs)
+                if span is None or offset // cs * cs > span.end or end - span.start > GROUP_BYTES:
+                    span = _Span(name, offset // cs * cs, end, [])
+                    spans.append(span)
+                span.end = max(span.end, end)
+                span.items.append((req, offset, length))
+        return spans
+
     def _digest(self, name: str) -> Any:
         assert self._ckpt is not None
         digest = self._ckpt.files.get(name)
@@ -282,47 +328,38 @@ class Reader(StorageReader):
             raise CheckpointError(f"{self.uri}: file {name} is not in the checkpoint's manifests")
         return digest
 
-    async def _read(self, files: dict[str, list[tuple[int, bytearray]]]) -> None:
-        """Fill each ``(offset, buffer)`` of each file: the chunks covering them are read (spans closer than a
-        chunk together, up to ``GROUP_BYTES``), each checked against its recorded digest."""
+    async def _read(self, spans: list[_Span], arrived: queue.Queue[Any], slots: asyncio.Semaphore) -> None:
+        """Read ``spans`` (each once a slot is free), every chunk checked against its recorded digest; each
+        span, or the first failure, goes to ``arrived``."""
         cfg = self.config or TransferConfig.from_env()
-        async with open_store(self._target(), cfg) as store:
-            transfer = Transfer(store, cfg)
-            try:
-                await gather_bounded([self._read_span(transfer, name, group) for name, wanted in files.items()
-                                      for group in self._groups(name, wanted)], 2)
-            finally:
-                transfer.close()
+        try:
+            async with open_store(self._target(), cfg) as store:
+                transfer = Transfer(store, cfg)
 
-    def _groups(self, name: str, wanted: list[tuple[int, bytearray]]) -> list[list[tuple[int, bytearray]]]:
-        cs = self._digest(name).chunk_size
-        groups: list[list[tuple[int, bytearray]]] = []
-        for offset, buf in sorted(wanted, key=lambda w: w[0]):
-            if not buf:
-                continue
-            if groups:
-                first, (last, last_buf) = groups[-1][0][0] // cs * cs, groups[-1][-1]
-                if offset // cs <= -(-(last + len(last_buf)) // cs) and offset + len(buf) - first <= GROUP_BYTES:
-                    groups[-1].append((offset, buf))
-                    continue
-            groups.append([(offset, buf)])
-        return groups
+                async def one(span: _Span) -> None:
+                    await slots.acquire()
+                    arrived.put((span, await self._read_span(transfer, span)))
 
-    async def _read_span(self, transfer: Transfer, name: str, group: list[tuple[int, bytearray]]) -> None:
+                try:
+                    await gather_all(one(span) for span in spans)
+                finally:
+                    transfer.close()
+        except BaseException as exc:
+            arrived.put(exc)
+            raise
+
+    async def _read_span(self, transfer: Transfer, span: _Span) -> bytearray:
         assert self._ckpt is not None
-        digest, chunks = self._digest(name), self._ckpt.chunks.get(name)
+        digest, chunks = self._digest(span.name), self._ckpt.chunks.get(span.name)
         if chunks is None:
-            raise CheckpointError(f"{self.uri}: {name} has no chunk digests recorded; not written by this plugin")
-        cs = digest.chunk_size
-        start = group[0][0] // cs * cs
-        end = min(digest.size, -(-max(o + len(b) for o, b in group) // cs) * cs)
-        span = bytearray(end - start)
-        got = await read_layout(transfer, self._ckpt.file_key(name), start, Layout([span]), cs)
-        for i, d in enumerate(got, start // cs):
+            raise CheckpointError(f"{self.uri}: {span.name} has no chunk digests recorded; not written by this plugin")
+        data = bytearray(span.end - span.start)
+        got = await read_layout(transfer, self._ckpt.file_key(span.name), span.start, Layout([data]),
+                                digest.chunk_size)
+        for i, d in enumerate(got, span.start // digest.chunk_size):
             if d.hex() != chunks[i]:
-                raise IntegrityError(f"{self.uri}/{name}: chunk {i} does not match its recorded digest")
-        for offset, buf in group:
-            buf[:] = span[offset - start:offset - start + len(buf)]
+                raise IntegrityError(f"{self.uri}/{span.name}: chunk {i} does not match its recorded digest")
+        return data
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -105,7 +105,8 @@ class Staging:
 
 
 _defaults: dict[int, Staging] = {}
-_gloo: Any = None
+_gloo: tuple[Any, Any] | None = None
+"""(the world group it was made for, the gloo group the commits use)."""
 
 
 def default_staging(rank: int) -> Staging:
@@ -127,7 +128,7 @@ def distributed_defaults(rank: int | None, world_size: int | None, barrier: Barr
         if barrier is None and world_size > 1 and world_size == dist.get_world_size():
             from ..checkpoint.barrier_torch import TorchBarrier
 
-            if _gloo is None:
-                _gloo = dist.new_group(backend="gloo")
-            barrier = TorchBarrier(_gloo)
+            if _gloo is None or _gloo[0] is not dist.group.WORLD:  # first use, or a new process group
+                _gloo = (dist.group.WORLD, dist.new_group(backend="gloo"))
+            barrier = TorchBarrier(_gloo[1])
     return (0 if rank is None else rank), (1 if world_size is None else world_size), barrier

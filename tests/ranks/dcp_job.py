@@ -1,10 +1,15 @@
 """A torch.distributed.checkpoint job over fastckpt: ``python -m tests.ranks.dcp_job MODE URI WORLD PORT``.
 
 Forks ``WORLD`` gloo ranks that hold an FSDP-style state (DTensors sharded on dim 0 over a CPU mesh).
-Modes: ``save`` (``dcp.save`` to ``URI/a``, ``dcp.async_save`` to ``URI/b``, then both loaded back and
-compared), ``load`` (``URI/a`` and ``URI/b`` loaded by this world size, resharded), ``crash`` (rank 2 dies
-while uploading its share of ``URI/c``), ``resave`` (``URI/c`` saved and loaded). Exit status 0 when every
-rank's check passed.
+Modes:
+
+- ``save``: ``dcp.save`` to ``URI/a``, ``dcp.async_save`` to ``URI/b``, then both loaded back and compared.
+- ``load``: ``URI/a`` and ``URI/b`` loaded by this world size (resharded).
+- ``crash``: rank 2 dies while uploading its share of ``URI/c``; ``resave``: ``URI/c`` saved and loaded.
+- ``ft``: ``fastckpt.torch`` async_save and load of each rank's own state (``URI/t``); ``ft-crash``: rank 2
+  dies mid-upload of ``URI/u``.
+
+Exit status 0 when every rank's check passed.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import fastckpt.checkpoint.writer
+import fastckpt.torch as ft
 from fastckpt.torch.dcp import Reader, Writer
 
 SHAPES = {"embed": (96, 40), "layer.0.w": (64, 64), "layer.0.b": (64,), "head": (40, 96)}
@@ -83,6 +89,15 @@ def rank_main(rank: int, mode: str, base: str, world: int, port: int) -> None:
             if rank == 2:
                 fastckpt.checkpoint.writer.upload_layout = die_mid_upload
             dcp.save(sharded(full_state(3), mesh, 30), storage_writer=Writer(under(base, "c")))
+        elif mode == "ft":  # fastckpt.torch on every rank: the barrier is torch.distributed's, by default
+            own = {"shard": full_state(5)["layer.0.w"][rank::world].clone(), "rank": rank}
+            ft.async_save(own, under(base, "t"), staging=ft.Staging()).wait()
+            back = ft.load(under(base, "t"), rank=rank, world_size=world)
+            assert torch.equal(back["shard"], own["shard"]) and back["rank"] == rank
+        elif mode == "ft-crash":
+            if rank == 2:
+                fastckpt.checkpoint.writer.upload_layout = die_mid_upload
+            ft.save({"shard": full_state(6)["head"][rank::world].clone()}, under(base, "u"))
         elif mode == "resave":
             dcp.save(sharded(full_state(4), mesh, 40), storage_writer=Writer(under(base, "c")))
             check(load_into(under(base, "c"), mesh, 4), full_state(4), 40)
