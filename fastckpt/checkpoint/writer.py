@@ -285,7 +285,7 @@ class CheckpointWriter:
 
     async def _holds_layout(self, transfer: Transfer, key: str, size: int, chunks: list[bytes]) -> FileResult | None:
         digest = FileDigest(size, plan_upload(size, self.config, transfer.store).part_size, combine(chunks))
-        return FileResult(key, "", digest) if await transfer._holds(key, digest) else None
+        return FileResult(key, "", digest) if await transfer.holds_digest(key, digest) else None
 
     @contextlib.asynccontextmanager
     async def _not_replacing(self) -> AsyncIterator[None]:

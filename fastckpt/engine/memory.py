@@ -106,7 +106,7 @@ async def upload_layout(transfer: Transfer, layout: Layout, key: str, *, if_abse
         try:
             await store.put(key, data, if_absent=if_absent, metadata=meta)
         except AlreadyExistsError:
-            if not await transfer._holds(key, digest):
+            if not await transfer.holds_digest(key, digest):
                 raise
         transfer.progress.advance(layout.size)
         return digest, chunks
@@ -131,11 +131,11 @@ async def upload_layout(transfer: Transfer, layout: Layout, key: str, *, if_abse
         infos = await gather_all(send(i) for i in range(plan.count))
         await mpu.complete(infos, meta)
     except AlreadyExistsError:
-        await asyncio.shield(transfer._abort(mpu))
-        if not await transfer._holds(key, digest):
+        await asyncio.shield(transfer.abort_upload(mpu))
+        if not await transfer.holds_digest(key, digest):
             raise
     except BaseException:
-        await asyncio.shield(transfer._abort(mpu))
+        await asyncio.shield(transfer.abort_upload(mpu))
         raise
     return digest, chunks
 

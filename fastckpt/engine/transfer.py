@@ -107,7 +107,7 @@ class Transfer:
             try:
                 await self.store.put(key, buf, if_absent=if_absent, metadata=meta)
             except AlreadyExistsError:
-                if not await self._holds(key, digest):
+                if not await self.holds_digest(key, digest):
                     raise
         self.progress.advance(plan.size)
         return digest
@@ -130,7 +130,7 @@ class Transfer:
             os.close(fd)
         return FileResult(key, path, digest) if digest == recorded else None
 
-    async def _holds(self, key: str, digest: FileDigest) -> bool:
+    async def holds_digest(self, key: str, digest: FileDigest) -> bool:
         """Whether ``key`` already holds an object recorded with ``digest`` (e.g. our own create-if-absent
         write, retried after its reply was lost)."""
         try:
@@ -162,17 +162,17 @@ class Transfer:
             meta = digest.metadata() if self.config.digest_metadata else None
             await mpu.complete([p for p, _ in results], meta)
         except AlreadyExistsError:
-            await asyncio.shield(self._abort(mpu, journal))
-            if not await self._holds(key, digest):
+            await asyncio.shield(self.abort_upload(mpu, journal))
+            if not await self.holds_digest(key, digest):
                 raise
         except asyncio.CancelledError:
             if journal is None or failed.is_set():
-                await asyncio.shield(self._abort(mpu, journal))
+                await asyncio.shield(self.abort_upload(mpu, journal))
             else:  # interrupted: kept, the same upload run again continues from the journal (or gc aborts it)
                 journal.close()
             raise
         except BaseException:
-            await asyncio.shield(self._abort(mpu, journal))
+            await asyncio.shield(self.abort_upload(mpu, journal))
             raise
         if journal is not None:
             journal.remove()
@@ -211,7 +211,7 @@ class Transfer:
         except StoreError as exc:
             log.warning("could not abort the stale upload of %s: %s", key, exc)
 
-    async def _abort(self, mpu: MultipartUpload, journal: Journal | None = None) -> None:
+    async def abort_upload(self, mpu: MultipartUpload, journal: Journal | None = None) -> None:
         """Abort ``mpu``; a failure is logged (gc finds the upload later), never raised over the cause."""
         if journal is not None:
             journal.remove()

@@ -83,12 +83,36 @@ class StoredItem:
 
 @dataclass
 class _Span:
-    """``[start, end)`` of file ``name`` (chunk-aligned), read in one go for ``items`` (request, offset, length)."""
+    """``[start, end)`` of file ``name`` (chunk-aligned), read in one go for ``items`` (request, offset, length).
+
+    ``direct`` maps an item's index to the destination tensor its bytes are received into (a whole stored
+    tensor going to a contiguous CPU tensor); the rest of the span is received into scratch buffers.
+    """
 
     name: str
     start: int
     end: int
     items: list[tuple[Any, int, int]]
+    direct: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def layout(self) -> Layout:
+        """Where the span's bytes go: the direct destinations, scratch buffers around them."""
+        views: list[memoryview | bytearray] = []
+        pos = self.start
+        for i, (_, offset, length) in enumerate(self.items):
+            target = self.direct.get(i)
+            if target is None:
+                continue
+            if offset < pos:  # overlaps bytes already placed: read into scratch like the others
+                del self.direct[i]
+                continue
+            if offset > pos:
+                views.append(bytearray(offset - pos))
+            views.append(byte_view(target))
+            pos = offset + length
+        if pos < self.end:
+            views.append(bytearray(self.end - pos))
+        return Layout(views)
 
 
 def _rank_file(rank: int) -> str:
@@ -243,8 +267,9 @@ class Reader(StorageReader):
         size = self._digest(METADATA).size
         arrived: queue.Queue[Any] = queue.Queue()
         _run(self._read([_Span(METADATA, 0, size, [])], arrived, asyncio.Semaphore(1)))
+        layout = arrived.get()[1]
         with torch.serialization.safe_globals(_SAFE):
-            metadata = torch.load(io.BytesIO(arrived.get()[1]), weights_only=True)
+            metadata = torch.load(io.BytesIO(layout.pieces(0, size)[0]), weights_only=True)
         if not isinstance(metadata, dcp_meta.Metadata):
             raise CheckpointError(f"{self.uri}/{METADATA} does not hold DCP metadata")
         return metadata
@@ -261,9 +286,10 @@ class Reader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         """Spans of the files are read on fastckpt's loop (a few ahead) and handed to the planner here, in order
-        of arrival; memory stays at a few spans whatever the plan's size."""
-        spans = self._spans(plan.items)
-        arrived: queue.Queue[tuple[_Span, bytearray] | BaseException] = queue.Queue()
+        of arrival; memory stays at a few spans whatever the plan's size. Whole stored tensors are received
+        straight into contiguous CPU destinations."""
+        spans = self._spans(plan.items, planner)
+        arrived: queue.Queue[tuple[_Span, Layout] | BaseException] = queue.Queue()
         loop = BackgroundLoop.get().loop
         slots = asyncio.Semaphore(SPANS_AHEAD)  # taken on the loop, given back from here
         reading = asyncio.run_coroutine_threadsafe(self._read(spans, arrived, slots), loop)
@@ -272,11 +298,16 @@ class Reader(StorageReader):
                 got = arrived.get()
                 if isinstance(got, BaseException):
                     raise got
-                span, data = got
-                view = memoryview(data)
-                for req, offset, length in span.items:
-                    self._deliver(req, view[offset - span.start:offset - span.start + length], planner)
-                view.release()
+                span, layout = got
+                for i, (req, offset, length) in enumerate(span.items):
+                    if i in span.direct:
+                        planner.commit_tensor(req, span.direct[i])
+                        continue
+                    pieces = layout.pieces(offset - span.start, length)
+                    data = pieces[0] if len(pieces) == 1 else memoryview(bytearray(length))
+                    if len(pieces) != 1:
+                        layout.gather(offset - span.start, data)
+                    self._deliver(req, data, planner)
                 loop.call_soon_threadsafe(slots.release)
         finally:
             reading.cancel()
@@ -300,9 +331,9 @@ class Reader(StorageReader):
         target.copy_(tensor)
         planner.commit_tensor(req, target)
 
-    def _spans(self, reqs: list[Any]) -> list[_Span]:
+    def _spans(self, reqs: list[Any], planner: LoadPlanner) -> list[_Span]:
         """The requests' byte ranges grouped into chunk-aligned spans of one file (ranges closer than a chunk
-        together, up to ``GROUP_BYTES`` a span)."""
+        together, up to ``GROUP_BYTES`` a span), with the destinations that can receive their bytes directly."""
         by_file: dict[str, list[tuple[Any, int, int]]] = defaultdict(list)
         for req in reqs:
             item = self._storage[req.storage_index]
@@ -318,8 +349,24 @@ class Reader(StorageReader):
                     span = _Span(name, offset // cs * cs, end, [])
                     spans.append(span)
                 span.end = max(span.end, end)
+                target = self._direct_target(req, length, planner)
+                if target is not None:
+                    span.direct[len(span.items)] = target
                 span.items.append((req, offset, length))
         return spans
+
+    def _direct_target(self, req: Any, length: int, planner: LoadPlanner) -> torch.Tensor | None:
+        """The destination of ``req`` when it takes a whole stored tensor into contiguous CPU memory."""
+        item = self._storage[req.storage_index]
+        if req.type == LoadItemType.BYTE_IO or item.shape is None or not length:
+            return None
+        if any(req.storage_offsets) or tuple(req.lengths) != tuple(item.shape):
+            return None
+        target = planner.resolve_tensor(req).detach()
+        if target.device.type != "cpu" or target.dtype != item.dtype or not target.is_contiguous() \
+                or tuple(target.shape) != tuple(item.shape):
+            return None
+        return target
 
     def _digest(self, name: str) -> Any:
         assert self._ckpt is not None
@@ -338,7 +385,9 @@ class Reader(StorageReader):
 
                 async def one(span: _Span) -> None:
                     await slots.acquire()
-                    arrived.put((span, await self._read_span(transfer, span)))
+                    layout = span.layout()
+                    await self._read_span(transfer, span, layout)
+                    arrived.put((span, layout))
 
                 try:
                     await gather_all(one(span) for span in spans)
@@ -348,18 +397,15 @@ class Reader(StorageReader):
             arrived.put(exc)
             raise
 
-    async def _read_span(self, transfer: Transfer, span: _Span) -> bytearray:
+    async def _read_span(self, transfer: Transfer, span: _Span, layout: Layout) -> None:
         assert self._ckpt is not None
         digest, chunks = self._digest(span.name), self._ckpt.chunks.get(span.name)
         if chunks is None:
             raise CheckpointError(f"{self.uri}: {span.name} has no chunk digests recorded; not written by this plugin")
-        data = bytearray(span.end - span.start)
-        got = await read_layout(transfer, self._ckpt.file_key(span.name), span.start, Layout([data]),
-                                digest.chunk_size)
+        got = await read_layout(transfer, self._ckpt.file_key(span.name), span.start, layout, digest.chunk_size)
         for i, d in enumerate(got, span.start // digest.chunk_size):
             if d.hex() != chunks[i]:
                 raise IntegrityError(f"{self.uri}/{span.name}: chunk {i} does not match its recorded digest")
-        return data
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
