@@ -286,11 +286,27 @@ def load(spec: dict[str, Any], target: Any) -> tuple[Any, float]:
     return target, time.perf_counter() - started
 
 
+def warm_imports(spec: dict[str, Any]) -> None:
+    """Import what the engine uses before the clock starts (a trainer has imported it long before it saves)."""
+    import importlib
+
+    modules = {"fastckpt": ["fastckpt.torch"], "fastckpt-dcp": ["fastckpt.torch.dcp"],
+               "torch.save": ["fastckpt"], "dcp": ["torch.distributed.checkpoint"],
+               "dcp-fsspec": ["torch.distributed.checkpoint._fsspec_filesystem", "s3fs"],
+               "s3torchconnector": ["s3torchconnector.dcp"]}[spec["engine"]]
+    if spec["target"] == "s3" and spec["engine"].startswith(("fastckpt", "torch.save")):
+        modules.append("fastckpt.stores.s3")
+    for name in ["torch.distributed.checkpoint", *modules]:
+        importlib.import_module(name)
+
+
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """One save or load in this process; the state is built before the clock starts."""
+    """One save or load in this process; the state is built and the engine imported before the clock starts."""
     import resource
 
     import torch
+
+    warm_imports(spec)
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     state = make_state(spec["params"], spec["device"], zeros=spec["op"] == "load")

@@ -140,14 +140,14 @@ class Writer(StorageWriter):
         super().__init__()
         self.uri = os.fspath(uri) if uri is not None else None
         self.attempt, self.config = attempt, config
-        self.is_coordinator = False
+        self._planned: str | None = None
+        """The attempt the coordinator drew for the current save."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.uri = os.fspath(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
         if kwargs.get("use_collectives") is False:
             raise ValueError("fastckpt.torch.dcp.Writer commits through DCP's collectives: use_collectives=False "
                              "is not supported")
@@ -162,7 +162,7 @@ class Writer(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        attempt = self.attempt or attempt_from_env() or new_attempt_id()
+        attempt = self._planned = self.attempt or attempt_from_env() or new_attempt_id()
         return [dataclasses.replace(p, storage_data=_RankPlan(attempt, i, len(plans))) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
@@ -216,10 +216,9 @@ class Writer(StorageWriter):
 
     async def _commit(self, metadata: bytes, manifests: dict[int, RankManifest], world_size: int) -> None:
         """Coordinator: write ``.metadata``, then commit every rank's manifest (ranks without items wrote none)."""
-        attempts = {m.attempt for m in manifests.values()}
-        attempt = attempts.pop() if len(attempts) == 1 else None
-        if attempt is None:
-            raise CheckpointError(f"DCP save to {self.uri}: ranks report attempts {sorted(attempts)}")
+        attempt = self._planned
+        if attempt is None or any(m.attempt != attempt for m in manifests.values()):
+            raise CheckpointError(f"DCP save to {self.uri}: the ranks' manifests are not of attempt {attempt!r}")
         own = manifests.pop(0, None)
         handed = {r: manifests.get(r, RankManifest(attempt, r, world_size)).encode() for r in range(1, world_size)}
         writer = CheckpointWriter(self._target(), rank=0, world_size=world_size, attempt=attempt,
