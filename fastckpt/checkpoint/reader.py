@@ -277,8 +277,9 @@ async def _with_store(uri: str | StorageURI, config: TransferConfig | None,
 
 
 async def open_checkpoint_async(uri: str | StorageURI, *, allow_uncommitted: bool = False,
-                                config: TransferConfig | None = None) -> Checkpoint:
-    """Open the checkpoint at ``uri``: CheckpointError when it is uncommitted (unless allowed) or corrupt."""
+                                config: TransferConfig | None = None, store: Store | None = None) -> Checkpoint:
+    """Open the checkpoint at ``uri``: CheckpointError when it is uncommitted (unless allowed) or corrupt.
+    ``store`` reuses an open store of ``uri``'s location (not closed here)."""
     async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> Checkpoint:
         ckpt = await _load(store, base, cfg, allow_uncommitted)
         if ckpt.problems:
@@ -286,6 +287,8 @@ async def open_checkpoint_async(uri: str | StorageURI, *, allow_uncommitted: boo
                                   + "; ".join(f"{p.name}: {p.reason}" for p in ckpt.problems))
         return ckpt
 
+    if store is not None:
+        return await run(store, _target(uri), config or TransferConfig.from_env())
     return await _with_store(uri, config, run)
 
 

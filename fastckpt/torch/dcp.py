@@ -46,9 +46,9 @@ from ..engine.memory import Layout, read_layout
 from ..engine.tasks import gather_all
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError
-from ..stores import open_store
 from ..uri import StorageURI, parse_uri
 from .staging import byte_view
+from .stores import store_for
 
 METADATA = ".metadata"
 GROUP_BYTES = 128 << 20
@@ -188,17 +188,19 @@ class Writer(StorageWriter):
                       for i, s in zip(plan.items, stored, strict=True)])
 
     async def _write(self, where: _RankPlan, name: str, layout: Layout) -> bytes:
-        writer = CheckpointWriter(self._target(), rank=where.rank, world_size=where.world_size,
-                                  attempt=where.attempt, config=self.config, barrier=HandedBarrier({}))
-        await writer.__aenter__()
-        try:
-            if layout.size:
-                await writer.put_layout(name, layout)
-        except BaseException as exc:
-            with contextlib.suppress(Exception):  # the upload's own error is what the caller sees
-                await writer.hand_off(exc)
-            raise
-        return await writer.hand_off()
+        target, cfg = self._target(), self.config or TransferConfig.from_env()
+        async with store_for(target, cfg) as store:
+            writer = CheckpointWriter(target, rank=where.rank, world_size=where.world_size, attempt=where.attempt,
+                                      config=cfg, barrier=HandedBarrier({}), store=store)
+            await writer.__aenter__()
+            try:
+                if layout.size:
+                    await writer.put_layout(name, layout)
+            except BaseException as exc:
+                with contextlib.suppress(Exception):  # the upload's own error is what the caller sees
+                    await writer.hand_off(exc)
+                raise
+            return await writer.hand_off()
 
     def finish(self, metadata: dcp_meta.Metadata, results: list[list[WriteResult]]) -> None:
         manifests: dict[int, RankManifest] = {}
@@ -221,12 +223,14 @@ class Writer(StorageWriter):
             raise CheckpointError(f"DCP save to {self.uri}: the ranks' manifests are not of attempt {attempt!r}")
         own = manifests.pop(0, None)
         handed = {r: manifests.get(r, RankManifest(attempt, r, world_size)).encode() for r in range(1, world_size)}
-        writer = CheckpointWriter(self._target(), rank=0, world_size=world_size, attempt=attempt,
-                                  config=self.config, barrier=HandedBarrier(handed))
-        async with writer:
-            if own is not None:
-                writer.record_written(own.files)
-            await writer.put_layout(METADATA, Layout([metadata]))
+        target, cfg = self._target(), self.config or TransferConfig.from_env()
+        async with store_for(target, cfg) as store:
+            writer = CheckpointWriter(target, rank=0, world_size=world_size, attempt=attempt, config=cfg,
+                                      barrier=HandedBarrier(handed), store=store)
+            async with writer:
+                if own is not None:
+                    writer.record_written(own.files)
+                await writer.put_layout(METADATA, Layout([metadata]))
 
     def storage_meta(self) -> dcp_meta.StorageMeta | None:
         return dcp_meta.StorageMeta(checkpoint_id=self.uri)
@@ -260,7 +264,7 @@ class Reader(StorageReader):
         return parse_uri(self.uri)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_meta.Metadata:
-        self._ckpt = _run(open_checkpoint_async(self._target(), config=self.config))
+        self._ckpt = _run(self._open())
         if METADATA not in self._ckpt.files:
             raise CheckpointError(f"{self.uri} is a fastckpt checkpoint, but not one written by dcp.save")
         size = self._digest(METADATA).size
@@ -272,6 +276,11 @@ class Reader(StorageReader):
         if not isinstance(metadata, dcp_meta.Metadata):
             raise CheckpointError(f"{self.uri}/{METADATA} does not hold DCP metadata")
         return metadata
+
+    async def _open(self) -> Checkpoint:
+        target, cfg = self._target(), self.config or TransferConfig.from_env()
+        async with store_for(target, cfg) as store:
+            return await open_checkpoint_async(target, config=cfg, store=store)
 
     def set_up_storage_reader(self, metadata: dcp_meta.Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -379,7 +388,7 @@ class Reader(StorageReader):
         span, or the first failure, goes to ``arrived``."""
         cfg = self.config or TransferConfig.from_env()
         try:
-            async with open_store(self._target(), cfg) as store:
+            async with store_for(self._target(), cfg) as store:
                 transfer = Transfer(store, cfg)
 
                 async def one(span: _Span) -> None:

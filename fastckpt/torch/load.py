@@ -7,19 +7,19 @@ from typing import Any
 
 import torch
 
-from .._loop import run_sync
-from ..checkpoint.reader import open_checkpoint_async
+from .._loop import BackgroundLoop
+from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..config import TransferConfig
 from ..engine.memory import Layout, read_layout
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError
 from ..integrity import FileDigest
-from ..stores import open_store
 from ..stores.base import read_range
 from ..uri import StorageURI, parse_uri
 from .format import Header, TensorEntry, flatten, header_length, parse_header, unflatten
 from .save import rank_file
 from .staging import Staging, byte_view, synchronize
+from .stores import store_for
 
 HEAD_READ = 64 << 10
 """Bytes read first to find the header (one more request when the header is longer)."""
@@ -44,8 +44,8 @@ def load(uri: str | StorageURI, *, state_dict: Any = None, device: str | torch.d
          rank: int | None = None, world_size: int | None = None, config: TransferConfig | None = None,
          staging: Staging | None = None) -> Any:
     """Load rank ``rank``'s state from committed checkpoint ``uri``; see ``load_async``."""
-    return run_sync(load_async(uri, state_dict=state_dict, device=device, rank=rank, world_size=world_size,
-                               config=config, staging=staging))
+    return BackgroundLoop.get().run(load_async(uri, state_dict=state_dict, device=device, rank=rank,
+                                               world_size=world_size, config=config, staging=staging))
 
 
 async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: str | torch.device | None = None,
@@ -62,24 +62,12 @@ async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: s
     """
     base = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
     cfg = config or TransferConfig.from_env()
-    ckpt = await open_checkpoint_async(base, config=cfg)
-    saved = ckpt.info.world_size or 1
-    if world_size is not None and world_size != saved:
-        raise CheckpointError(f"checkpoint {base.raw} was saved by {saved} rank(s), not {world_size}; "
-                              "load each saved rank's state, or save through fastckpt.torch.dcp to reshard")
-    if rank is None:
-        if saved != 1:
-            raise CheckpointError(f"checkpoint {base.raw} was saved by {saved} ranks: pass rank=")
-        rank = 0
-    name = rank_file(rank)
-    digest = ckpt.files.get(name)
-    if digest is None:
-        raise CheckpointError(f"checkpoint {base.raw} holds no tensor state of rank {rank} ({name})")
-    async with open_store(base, cfg) as store:
+    async with store_for(base, cfg) as store:
+        ckpt = await open_checkpoint_async(base, config=cfg, store=store)
+        name, digest = _rank_entry(ckpt, base, rank, world_size)
+        key, what = ckpt.file_key(name), f"{base.raw}/{name}"
         transfer = Transfer(store, cfg)
         try:
-            key = ckpt.file_key(name)
-            what = f"{base.raw}/{name}"
             head = await read_range(transfer.store, key, 0, min(HEAD_READ, digest.size))
             need = header_length(head, what)
             if need > len(head):
@@ -100,6 +88,24 @@ async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: s
         if t.bounce is not None:
             t.tensor.copy_(t.bounce)
     return unflatten(header.skeleton, {t.entry.name: t.tensor for t in targets}, what)
+
+
+def _rank_entry(ckpt: Checkpoint, base: StorageURI, rank: int | None, world_size: int | None
+                ) -> tuple[str, FileDigest]:
+    """The name and digest of ``rank``'s tensor file (``rank`` may be left out of a one-rank checkpoint)."""
+    saved = ckpt.info.world_size or 1
+    if world_size is not None and world_size != saved:
+        raise CheckpointError(f"checkpoint {base.raw} was saved by {saved} rank(s), not {world_size}; "
+                              "load each saved rank's state, or save through fastckpt.torch.dcp to reshard")
+    if rank is None:
+        if saved != 1:
+            raise CheckpointError(f"checkpoint {base.raw} was saved by {saved} ranks: pass rank=")
+        rank = 0
+    name = rank_file(rank)
+    digest = ckpt.files.get(name)
+    if digest is None:
+        raise CheckpointError(f"checkpoint {base.raw} holds no tensor state of rank {rank} ({name})")
+    return name, digest
 
 
 def _targets(header: Header, template: Any, device: torch.device, what: str) -> list[_Target]:

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 from typing import Any, Literal
 
-from .._loop import BackgroundLoop, run_sync
+from .._loop import BackgroundLoop
 from ..checkpoint.barrier import Barrier
 from ..checkpoint.writer import CheckpointWriter, CommitResult
 from ..config import TransferConfig
 from ..engine.memory import Layout
 from ..stores.base import Store
+from ..uri import parse_uri
 from .format import build_header, flatten
 from .staging import Staging, byte_view, default_staging, distributed_defaults
+from .stores import store_for
 
 
 def rank_file(rank: int) -> str:
@@ -60,7 +63,7 @@ def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int 
                           config=config, store=store, staging=Staging()).wait()
     header = build_header(skeleton, tensors)
     views = [header.raw] + [byte_view(tensors[n].detach().contiguous()) for n in header.tensors]
-    return run_sync(_commit(Layout(views), uri, rank, world_size, barrier, attempt, config, store))
+    return BackgroundLoop.get().run(_commit(Layout(views), uri, rank, world_size, barrier, attempt, config, store))
 
 
 def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int | None = None,
@@ -90,9 +93,13 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
 
 async def _commit(layout: Layout, uri: str, rank: int, world_size: int, barrier: Barrier | None,
                   attempt: str | None, config: TransferConfig | None, store: Store | None) -> CommitResult:
-    writer = CheckpointWriter(uri, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
-                              config=config, store=store)
-    async with writer:
-        await writer.put_layout(rank_file(rank), layout)
+    target, cfg = parse_uri(uri), config or TransferConfig.from_env()
+    async with contextlib.AsyncExitStack() as stack:
+        if store is None:
+            store = await stack.enter_async_context(store_for(target, cfg))
+        writer = CheckpointWriter(target, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
+                                  config=cfg, store=store)
+        async with writer:
+            await writer.put_layout(rank_file(rank), layout)
     assert writer.result is not None
     return writer.result
