@@ -10,6 +10,7 @@ import torch
 from .._loop import BackgroundLoop
 from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..config import TransferConfig
+from ..engine.io import off_loop
 from ..engine.memory import Layout, read_layout
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError
@@ -165,19 +166,25 @@ async def _read_staged(transfer: Transfer, key: str, header: Header, targets: li
         if start < header.data_start:
             _same_header(bytes(byte_view(view[:min(length, header.data_start - start)])),
                          header, key, start)
-        devices: set[torch.device] = set()
-        for t in targets:
-            lo = max(t.entry.start + header.data_start, start)
-            hi = min(t.entry.end + header.data_start, start + length)
-            if lo < hi:
-                dst = t.dest.reshape(-1).view(torch.uint8)
-                offset = lo - header.data_start - t.entry.start
-                on_device = dst.device.type != "cpu"
-                dst[offset:offset + hi - lo].copy_(view[lo - start:hi - start], non_blocking=on_device)
-                if on_device:
-                    devices.add(dst.device)
-        synchronize(devices)  # the window is overwritten next
+        await off_loop(_scatter, view, start, header.data_start, targets)
     return chunks
+
+
+def _scatter(window: torch.Tensor, start: int, data_start: int, targets: list[_Target]) -> None:
+    """Copy each target's share of the file window at ``start`` into it (device copies ``non_blocking``, then
+    waited for: the window is overwritten next)."""
+    devices: set[torch.device] = set()
+    end = start + window.numel()
+    for t in targets:
+        lo, hi = max(t.entry.start + data_start, start), min(t.entry.end + data_start, end)
+        if lo < hi:
+            dst = t.dest.reshape(-1).view(torch.uint8)
+            offset = lo - data_start - t.entry.start
+            on_device = dst.device.type != "cpu"
+            dst[offset:offset + hi - lo].copy_(window[lo - start:hi - start], non_blocking=on_device)
+            if on_device:
+                devices.add(dst.device)
+    synchronize(devices)
 
 
 def _same_header(found: bytes | bytearray, header: Header, key: str, start: int = 0) -> None:
