@@ -105,23 +105,15 @@ def make_state(params: int, device: str, zeros: bool = False) -> dict[str, Any]:
             "step": 100}
 
 
-def tensors_of(state: Any) -> list[Any]:
-    import torch
+def tensors_of(state: Any) -> dict[str, Any]:
+    """The state's tensors by key path (the names fastckpt.torch stores them under)."""
+    from fastckpt.torch.format import flatten
 
-    out: list[Any] = []
-    if isinstance(state, torch.Tensor):
-        out.append(state)
-    elif isinstance(state, dict):
-        for v in state.values():
-            out += tensors_of(v)
-    elif isinstance(state, list):
-        for v in state:
-            out += tensors_of(v)
-    return out
+    return flatten(state)[1]
 
 
 def state_bytes(state: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors_of(state))
+    return sum(t.numel() * t.element_size() for t in tensors_of(state).values())
 
 
 def check_loaded(loaded: Any, params: int, device: str) -> list[str]:
@@ -130,12 +122,13 @@ def check_loaded(loaded: Any, params: int, device: str) -> list[str]:
 
     expected = make_state(params, "cpu")
     problems = []
-    got_t, want_t = tensors_of(loaded), tensors_of(expected)
-    if len(got_t) != len(want_t):
-        return [f"{len(got_t)} tensors loaded, {len(want_t)} saved"]
-    for i in sorted({0, 1, len(want_t) // 2, len(want_t) - 1}):
-        if not torch.equal(got_t[i].cpu(), want_t[i]):
-            problems.append(f"tensor {i} differs")
+    got, want = tensors_of(loaded), tensors_of(expected)
+    if got.keys() != want.keys():
+        return [f"{len(got)} tensors loaded, {len(want)} saved, or under other names"]
+    names = list(want)
+    for name in dict.fromkeys([names[0], names[1], names[len(names) // 2], names[-1]]):
+        if not torch.equal(got[name].cpu(), want[name]):
+            problems.append(f"tensor {name} differs")
     if loaded.get("step") != 100:
         problems.append(f"step is {loaded.get('step')!r}")
     return problems
@@ -180,9 +173,9 @@ def fastckpt_uri(spec: dict[str, Any], file: str = "") -> str:
 
 
 def s5cmd(spec: dict[str, Any], src: str, dst: str) -> None:
-    from bench.engines import s5cmd_path
+    from bench.engines import S5CMD_ARGS, s5cmd_path
 
-    subprocess.run([s5cmd_path(), "--endpoint-url", spec["endpoint"], "cp", "-c", "8", "-p", "64", src, dst],
+    subprocess.run([s5cmd_path(), "--endpoint-url", spec["endpoint"], "cp", *S5CMD_ARGS, src, dst],
                    check=True, capture_output=True)
 
 
@@ -341,7 +334,7 @@ def bare_copy_s(state: Any, staging: Any) -> float:
     area = staging.buffer(state_bytes(state))
     started = time.perf_counter()
     pos, devices = 0, set()
-    for t in tensors_of(state):
+    for t in tensors_of(state).values():
         n = t.numel() * t.element_size()
         area[pos:pos + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=t.device.type != "cpu")
         devices.add(t.device)

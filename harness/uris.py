@@ -12,3 +12,9 @@ def emulator_uri(backend: str, endpoint: str, prefix: str) -> str:
     if backend == "gcs":
         return f"gs://{gcs.BUCKET}/{prefix}?endpoint_override={endpoint}"
     return f"az://{azure.CONTAINER}/{prefix}?account={azure.EMULATOR_ACCOUNT}&endpoint_override={endpoint}"
+
+
+def below(base: str, name: str) -> str:
+    """URI of ``name`` below ``base`` (a checkpoint below its run), keeping ``base``'s query options."""
+    path, _, query = base.partition("?")
+    return f"{path.rstrip('/')}/{name}" + (f"?{query}" if query else "")

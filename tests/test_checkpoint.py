@@ -27,17 +27,12 @@ from fastckpt.checkpoint import (
 )
 from fastckpt.checkpoint.manifest import check_name, digest_of, marker_key, meta_prefix, rank_key
 from fastckpt.uri import StorageURI
+from harness.uris import below
 
 from .conftest import small_config
 
 WORLD = 8
 SUBSETS = {"all": list(range(WORLD)), "even": [2, 4, 6], "five": [5]}
-
-
-def ckpt_uri(base: str, name: str) -> str:
-    """URI of checkpoint ``name`` below ``base`` (keeping ``base``'s query options)."""
-    path, _, query = base.partition("?")
-    return f"{path.rstrip('/')}/{name}" + (f"?{query}" if query else "")
 
 
 def payload(name: str, attempt: str, rank: int, index: int = 0, size: int = 2000) -> bytes:
@@ -107,7 +102,7 @@ async def corrupt_object(uri: str, rel: str) -> None:
 async def test_eight_ranks_any_subset_commit(store_uri: str, tmp_path, kind: str) -> None:
     """8 ranks; all, ranks {2,4,6} or only rank 5 contribute files; the others commit empty manifests."""
     for subset, contributors in SUBSETS.items():
-        uri = ckpt_uri(store_uri, f"{kind}-{subset}")
+        uri = below(store_uri, f"{kind}-{subset}")
         results = await write_ranks(uri, tmp_path, contributors=contributors, barrier=make_barrier(kind))
         assert all(isinstance(r, fastckpt.checkpoint.CommitResult) for r in results), results
         assert {(r.attempt, r.files, r.world_size) for r in results} == {("a1", 2 * len(contributors), WORLD)}
@@ -130,7 +125,7 @@ async def test_eight_ranks_any_subset_commit(store_uri: str, tmp_path, kind: str
 
 
 async def test_corrupt_byte_is_reported_and_download_fails(store_uri: str, tmp_path) -> None:
-    uri = ckpt_uri(store_uri, "step-1")
+    uri = below(store_uri, "step-1")
     await write_ranks(uri, tmp_path, contributors=[1, 3], barrier=make_barrier("inprocess"), world=4)
     await corrupt_object(uri, "optim/rank_03.pt")
     report = await fastckpt.verify_async(uri, config=small_config())
@@ -143,7 +138,7 @@ async def test_corrupt_byte_is_reported_and_download_fails(store_uri: str, tmp_p
 
 async def test_stale_files_of_dead_attempt_are_ignored(store_uri: str, tmp_path) -> None:
     """Attempt a1 dies (rank 2 fails) after writing files; a2 rewrites some names. Readers see a2 only."""
-    uri = ckpt_uri(store_uri, "step-7")
+    uri = below(store_uri, "step-7")
     results = await write_ranks(uri, tmp_path, contributors=[0, 1, 2, 3], barrier=make_barrier("store"),
                                 attempt="a1", world=4, fail=2)
     assert all(isinstance(r, CheckpointError) for r in results[:2] + results[3:]), results
@@ -189,7 +184,7 @@ def fast_uri(request: pytest.FixtureRequest, tmp_path) -> str:
 
 
 async def test_exception_in_block_commits_nothing(fast_uri: str, tmp_path) -> None:
-    uri = ckpt_uri(fast_uri, "step-1")
+    uri = below(fast_uri, "step-1")
     results = await write_ranks(uri, tmp_path, contributors=SUBSETS["all"], barrier=make_barrier("inprocess"),
                                 fail=6)
     assert isinstance(results[6], ValueError)
@@ -202,7 +197,7 @@ async def test_exception_in_block_commits_nothing(fast_uri: str, tmp_path) -> No
 
 
 async def test_same_file_from_two_ranks_is_refused(fast_uri: str, tmp_path) -> None:
-    uri = ckpt_uri(fast_uri, "step-1")
+    uri = below(fast_uri, "step-1")
     results = await write_ranks(uri, tmp_path, contributors=[0, 2, 3], barrier=make_barrier("store"), world=4,
                                 names=lambda r: ["shared.bin"] if r in (2, 3) else ["own.bin"])
     assert all(isinstance(r, CheckpointError) for r in results), results
@@ -215,7 +210,7 @@ async def test_same_file_from_two_ranks_is_refused(fast_uri: str, tmp_path) -> N
 async def test_same_name_twice_on_one_rank(fast_uri: str, tmp_path) -> None:
     src = tmp_path / "f"
     src.write_bytes(b"x")
-    async with fastckpt.CheckpointWriter(ckpt_uri(fast_uri, "c"), config=small_config()) as w:
+    async with fastckpt.CheckpointWriter(below(fast_uri, "c"), config=small_config()) as w:
         await w.put_file(src, "a/b.bin")
         with pytest.raises(CheckpointError, match="twice"):
             await w.put_file(src, "a//b.bin/")
@@ -229,7 +224,7 @@ def test_unsafe_names_are_rejected(bad: str) -> None:
 
 
 async def test_committing_a_name_twice_is_refused(fast_uri: str, tmp_path) -> None:
-    uri = ckpt_uri(fast_uri, "step-1")
+    uri = below(fast_uri, "step-1")
     src = tmp_path / "f"
     src.write_bytes(b"first")
     late = fastckpt.CheckpointWriter(uri, config=small_config(), attempt="late")
@@ -247,7 +242,7 @@ async def test_committing_a_name_twice_is_refused(fast_uri: str, tmp_path) -> No
 
 async def test_stale_manifests_of_another_attempt_do_not_count(fast_uri: str, tmp_path) -> None:
     """Every rank of dead attempt a1 left a manifest; in attempt a2 rank 3 never arrives -> timeout naming 3."""
-    uri = ckpt_uri(fast_uri, "step-1")
+    uri = below(fast_uri, "step-1")
     parsed = parse_uri(uri)
     async with open_store(parsed) as store:
         for r in range(4):
@@ -263,7 +258,7 @@ async def test_stale_manifests_of_another_attempt_do_not_count(fast_uri: str, tm
 
 @pytest.mark.parametrize("kind", ["inprocess", "store"])
 async def test_barrier_timeout_names_missing_ranks(fast_uri: str, tmp_path, kind: str) -> None:
-    uri = ckpt_uri(fast_uri, "step-1")
+    uri = below(fast_uri, "step-1")
     results = await write_ranks(uri, tmp_path, contributors=[0], barrier=make_barrier(kind, timeout=0.3),
                                 world=6, absent=(2, 5))
     assert all(isinstance(r, BarrierTimeoutError) for r in results), results
@@ -274,15 +269,15 @@ async def test_barrier_timeout_names_missing_ranks(fast_uri: str, tmp_path, kind
 async def test_attempt_agreed_through_barrier(fast_uri: str, tmp_path, monkeypatch) -> None:
     for var in ("FASTCKPT_ATTEMPT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
         monkeypatch.delenv(var, raising=False)
-    results = await write_ranks(ckpt_uri(fast_uri, "a"), tmp_path, contributors=[1], attempt=None,
+    results = await write_ranks(below(fast_uri, "a"), tmp_path, contributors=[1], attempt=None,
                                 barrier=make_barrier("inprocess"), world=4)
     assert len({r.attempt for r in results}) == 1
-    results = await write_ranks(ckpt_uri(fast_uri, "b"), tmp_path, contributors=[1], attempt=None,
+    results = await write_ranks(below(fast_uri, "b"), tmp_path, contributors=[1], attempt=None,
                                 barrier=make_barrier("store"), world=4)
     assert all(isinstance(r, CheckpointError) and "attempt=" in str(r) for r in results), results
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
-    results = await write_ranks(ckpt_uri(fast_uri, "b"), tmp_path, contributors=[1], attempt=None,
+    results = await write_ranks(below(fast_uri, "b"), tmp_path, contributors=[1], attempt=None,
                                 barrier=make_barrier("store"), world=4)
     assert {r.attempt for r in results} == {"job42-r3"}
 
@@ -299,7 +294,7 @@ def test_attempt_from_env() -> None:
 
 
 async def test_uncommitted_is_refused_unless_allowed(fast_uri: str, tmp_path) -> None:
-    uri = ckpt_uri(fast_uri, "step-1")
+    uri = below(fast_uri, "step-1")
     await write_ranks(uri, tmp_path, contributors=[0, 1], barrier=make_barrier("inprocess"), world=2, fail=1)
     with pytest.raises(CheckpointError, match="not committed"):
         await fastckpt.download_checkpoint_async(uri, tmp_path / "out")
@@ -311,18 +306,18 @@ async def test_uncommitted_is_refused_unless_allowed(fast_uri: str, tmp_path) ->
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "w.bin").write_bytes(b"weights")
-    await fastckpt.upload_async(plain, ckpt_uri(fast_uri, "plain"), config=small_config())
+    await fastckpt.upload_async(plain, below(fast_uri, "plain"), config=small_config())
     with pytest.raises(CheckpointError):
-        await fastckpt.open_checkpoint_async(ckpt_uri(fast_uri, "plain"))
-    await fastckpt.download_checkpoint_async(ckpt_uri(fast_uri, "plain"), tmp_path / "p", allow_uncommitted=True)
+        await fastckpt.open_checkpoint_async(below(fast_uri, "plain"))
+    await fastckpt.download_checkpoint_async(below(fast_uri, "plain"), tmp_path / "p", allow_uncommitted=True)
     assert (tmp_path / "p" / "w.bin").read_bytes() == b"weights"
 
 
 async def test_latest_list_and_corrupt_metadata(fast_uri: str, tmp_path) -> None:
     for name in ("step-2", "step-1", "step-3"):  # committed in this order
-        await write_ranks(ckpt_uri(fast_uri, name), tmp_path, contributors=[0], barrier=make_barrier("inprocess"),
+        await write_ranks(below(fast_uri, name), tmp_path, contributors=[0], barrier=make_barrier("inprocess"),
                           world=2)
-    await write_ranks(ckpt_uri(fast_uri, "step-4"), tmp_path, contributors=[0], barrier=make_barrier("inprocess"),
+    await write_ranks(below(fast_uri, "step-4"), tmp_path, contributors=[0], barrier=make_barrier("inprocess"),
                       world=2, fail=0)
     assert (await fastckpt.latest_async(fast_uri)).endswith("/runs/step-3")
     infos = {i.name: i for i in await fastckpt.list_checkpoints_async(fast_uri)}
@@ -331,27 +326,27 @@ async def test_latest_list_and_corrupt_metadata(fast_uri: str, tmp_path) -> None
     assert infos["step-4"].attempt == "a1" and infos["step-4"].world_size == 2
     assert infos["step-1"].committed_at < infos["step-3"].committed_at
     # a manifest changed after the commit: verify names it, open refuses
-    await corrupt_object(ckpt_uri(fast_uri, "step-2"), ".fastckpt/a1/rank-00000.json")
-    report = await fastckpt.verify_async(ckpt_uri(fast_uri, "step-2"))
+    await corrupt_object(below(fast_uri, "step-2"), ".fastckpt/a1/rank-00000.json")
+    report = await fastckpt.verify_async(below(fast_uri, "step-2"))
     assert not report.ok and [b.name for b in report.bad] == [".fastckpt/a1/rank-00000.json"]
     with pytest.raises(CheckpointError, match="corrupt"):
-        await fastckpt.open_checkpoint_async(ckpt_uri(fast_uri, "step-2"))
+        await fastckpt.open_checkpoint_async(below(fast_uri, "step-2"))
     # an unreadable marker: listed as corrupt, skipped by latest
-    parsed = parse_uri(ckpt_uri(fast_uri, "step-3"))
+    parsed = parse_uri(below(fast_uri, "step-3"))
     async with open_store(parsed) as store:
         await store.put(marker_key(parsed.key), b"{not json")
     infos = {i.name: i.state for i in await fastckpt.list_checkpoints_async(fast_uri)}
     assert infos["step-3"] == "corrupt"
     assert (await fastckpt.latest_async(fast_uri)).endswith("/runs/step-1")
     # the checkpoint URI itself lists as that one checkpoint
-    assert [i.name for i in await fastckpt.list_checkpoints_async(ckpt_uri(fast_uri, "step-1"))] == ["step-1"]
+    assert [i.name for i in await fastckpt.list_checkpoints_async(below(fast_uri, "step-1"))] == ["step-1"]
 
 
 async def test_gc(fast_uri: str, tmp_path) -> None:
     base = parse_uri(fast_uri)
-    await write_ranks(ckpt_uri(fast_uri, "good"), tmp_path, contributors=[0, 1], barrier=make_barrier("inprocess"),
+    await write_ranks(below(fast_uri, "good"), tmp_path, contributors=[0, 1], barrier=make_barrier("inprocess"),
                       world=2)
-    await write_ranks(ckpt_uri(fast_uri, "dead"), tmp_path, contributors=[0, 1], barrier=make_barrier("inprocess"),
+    await write_ranks(below(fast_uri, "dead"), tmp_path, contributors=[0, 1], barrier=make_barrier("inprocess"),
                       world=2, fail=1)
     async with open_store(base) as store:
         # an orphan in the committed checkpoint, a stale upload in the dead one, one in a plain prefix
@@ -381,7 +376,7 @@ async def test_gc(fast_uri: str, tmp_path) -> None:
     assert "other/keep.bin" in left
     async with open_store(base) as store:
         assert await store.list_pending_uploads(base.key) == []
-    assert (await fastckpt.verify_async(ckpt_uri(fast_uri, "good"))).ok
+    assert (await fastckpt.verify_async(below(fast_uri, "good"))).ok
     assert [i.name for i in await fastckpt.list_checkpoints_async(fast_uri)] == ["good"]
 
 

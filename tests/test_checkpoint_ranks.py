@@ -16,6 +16,7 @@ import pytest
 
 import fastckpt
 from fastckpt import open_store, parse_uri
+from harness.uris import below
 
 from .conftest import BACKENDS, small_config
 from .ranks.job import content, file_names
@@ -42,12 +43,6 @@ def base_uri(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> st
     if backend == "local":
         return f"file://{tmp_path}/store"
     return request.getfixturevalue(f"{backend}_uri")
-
-
-def ckpt_uri(base: str, name: str) -> str:
-    """URI of checkpoint ``name`` below ``base`` (keeping ``base``'s query options)."""
-    path, _, query = base.partition("?")
-    return f"{path.rstrip('/')}/{name}" + (f"?{query}" if query else "")
 
 
 def free_port() -> int:
@@ -139,7 +134,7 @@ async def test_eight_processes_any_subset(request: pytest.FixtureRequest, tmp_pa
         attempts = {o["attempt"] for o in outcomes}
         assert len(attempts) == 1 and (ck["attempt"] is None or attempts == {"a1"})
         assert {o["files"] for o in outcomes} == {2 * len(ck["contributors"])}
-        uri = ckpt_uri(store_uri, ck["name"])
+        uri = below(store_uri, ck["name"])
         await check_contents(uri, ck["name"], attempts.pop(), ck["contributors"], tmp_path / ck["name"])
         assert (await fastckpt.verify_async(uri, config=small_config())).ok
     assert sorted(parse_uri(u.uri).key.rsplit("/", 1)[-1] for u in await fastckpt.list_checkpoints_async(store_uri)
@@ -150,13 +145,13 @@ async def crash_and_recover(base: str, tmp_path: Path, barrier: str, at: str) ->
     """step-1 committed; step-2 crashes (a rank SIGKILLed at ``at``); rerun commits; gc cleans up."""
     src = tmp_path / "prev.bin"
     src.write_bytes(b"previous checkpoint")
-    async with fastckpt.CheckpointWriter(ckpt_uri(base, "step-1"), config=small_config()) as w:
+    async with fastckpt.CheckpointWriter(below(base, "step-1"), config=small_config()) as w:
         await w.put_file(src, "prev.bin")
     previous = await fastckpt.latest_async(base)
     assert previous is not None
 
     victim = {"mid-upload": 3, "after-manifest": 0, "before-manifest": 7}[at]
-    uri = ckpt_uri(base, "step-2")
+    uri = below(base, "step-2")
     others = [r for r in range(WORLD) if r != victim]
 
     async def others_waiting() -> bool:
@@ -199,7 +194,7 @@ async def crash_and_recover(base: str, tmp_path: Path, barrier: str, at: str) ->
     async with open_store(parsed, small_config()) as store:
         assert await store.list_pending_uploads(parsed.key) == []
     assert (await fastckpt.verify_async(uri, config=small_config())).ok
-    assert (await fastckpt.verify_async(ckpt_uri(base, "step-1"), config=small_config())).ok
+    assert (await fastckpt.verify_async(below(base, "step-1"), config=small_config())).ok
     return crashed
 
 

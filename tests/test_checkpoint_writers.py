@@ -14,17 +14,12 @@ import fastckpt
 from fastckpt import CheckpointError, open_store, parse_uri
 from fastckpt.checkpoint.manifest import meta_prefix, rank_key
 from fastckpt.checkpoint.storage import read_object
+from harness.uris import below
 
 from .conftest import small_config
 
 ATTEMPTS = {"two-attempts": ("a", "b"), "same-attempt": ("x", "x")}
 BIG = 6 << 20  # multipart on every backend (S3's smallest part is 5 MiB)
-
-
-def ckpt(base: str, name: str) -> str:
-    """URI of checkpoint ``name`` below ``base``, keeping ``base``'s query options."""
-    path, _, query = base.partition("?")
-    return f"{path}/{name}" + (f"?{query}" if query else "")
 
 
 def writer(uri: str, attempt: str) -> fastckpt.CheckpointWriter:
@@ -56,7 +51,7 @@ async def assert_holds(uri: str, tmp_path, small: bytes, big: bytes) -> None:
 @pytest.mark.parametrize("attempts", list(ATTEMPTS), ids=list(ATTEMPTS))
 async def test_loser_after_the_commit_writes_nothing(store_uri: str, tmp_path, attempts: str) -> None:
     """Both writers enter; A writes and commits; B's writes then fail before touching A's files."""
-    uri, (first, second) = ckpt(store_uri, "step-1"), ATTEMPTS[attempts]
+    uri, (first, second) = below(store_uri, "step-1"), ATTEMPTS[attempts]
     (a_small, a_big, small, big), (b_small, b_big, _, _) = sources(tmp_path, "a"), sources(tmp_path, "b")
     manifest = rank_key(meta_prefix(parse_uri(uri).key), first, 0)
 
@@ -79,7 +74,7 @@ async def test_loser_after_the_commit_writes_nothing(store_uri: str, tmp_path, a
 @pytest.mark.parametrize("attempts", list(ATTEMPTS), ids=list(ATTEMPTS))
 async def test_replaced_files_fail_the_first_commit(store_uri: str, tmp_path, attempts: str) -> None:
     """A writes but has not committed; B takes the names over (A looks dead). A's commit then fails, B's wins."""
-    uri, (first, second) = ckpt(store_uri, "step-2"), ATTEMPTS[attempts]
+    uri, (first, second) = below(store_uri, "step-2"), ATTEMPTS[attempts]
     (a_small, a_big, _, _), (b_small, b_big, small, big) = sources(tmp_path, "a"), sources(tmp_path, "b")
 
     a, b = writer(uri, first), writer(uri, second)
@@ -96,7 +91,7 @@ async def test_replaced_files_fail_the_first_commit(store_uri: str, tmp_path, at
 
 async def test_a_file_created_meanwhile_is_not_replaced(store_uri: str, tmp_path) -> None:
     """A name created by another writer after this writer listed the checkpoint fails the write."""
-    uri = ckpt(store_uri, "step-3")
+    uri = below(store_uri, "step-3")
     a_small, a_big, small, big = sources(tmp_path, "a")
     b_small, b_big, _, _ = sources(tmp_path, "b")
 

@@ -20,6 +20,7 @@ from fastckpt import CheckpointError, InProcessBarrier, IntegrityError, open_sto
 from fastckpt.errors import StoreError  # noqa: E402
 from fastckpt.torch.format import flatten  # noqa: E402
 from harness.faults import FaultInjectingStore  # noqa: E402
+from harness.uris import below  # noqa: E402
 
 from .conftest import small_config  # noqa: E402
 
@@ -55,11 +56,6 @@ def same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def ckpt(store_uri: str, name: str) -> str:
-    path, _, query = store_uri.partition("?")
-    return f"{path.rstrip('/')}/{name}" + (f"?{query}" if query else "")
-
-
 # ----------------------------------------------------------------------------- every backend
 
 
@@ -67,15 +63,15 @@ def test_round_trip_every_backend(store_uri: str) -> None:
     """save, async_save and both load paths give back exactly what was saved; the checkpoint is committed."""
     state = llm_like_state()
     cfg = small_config()
-    done = ft.save(state, ckpt(store_uri, "step-1"), config=cfg)
+    done = ft.save(state, below(store_uri, "step-1"), config=cfg)
     assert done.files == 1 and done.world_size == 1
-    assert same(state, ft.load(ckpt(store_uri, "step-1"), config=cfg))
-    handle = ft.async_save(state, ckpt(store_uri, "step-2"), config=cfg, staging=ft.Staging())
+    assert same(state, ft.load(below(store_uri, "step-1"), config=cfg))
+    handle = ft.async_save(state, below(store_uri, "step-2"), config=cfg, staging=ft.Staging())
     assert handle.wait().files == 1 and handle.done()
     window = max(256 << 10, open_store(store_uri, cfg).min_part_size)  # two windows
-    assert same(state, ft.load(ckpt(store_uri, "step-2"), config=cfg, staging=ft.Staging(window)))
+    assert same(state, ft.load(below(store_uri, "step-2"), config=cfg, staging=ft.Staging(window)))
     assert fastckpt.latest(store_uri, config=cfg).partition("?")[0].endswith("step-2")
-    assert fastckpt.verify(ckpt(store_uri, "step-1"), config=cfg).ok
+    assert fastckpt.verify(below(store_uri, "step-1"), config=cfg).ok
 
 
 # ----------------------------------------------------------------------------- format and load targets

@@ -15,8 +15,7 @@ pytest.importorskip("torch.distributed.checkpoint")
 
 import fastckpt
 from fastckpt import CheckpointError
-
-from .test_torch import ckpt
+from harness.uris import below
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +39,7 @@ def test_sharded_save_and_resharded_load(backend: str, tmp_path: Path, request: 
     ok(job("save", base, 4))  # dcp.save and dcp.async_save by 4 ranks, loaded back by the same 4
     infos = {c.name: c for c in fastckpt.list_checkpoints(base)}
     assert {n: (c.state, c.world_size) for n, c in infos.items()} == {"a": ("committed", 4), "b": ("committed", 4)}
-    assert fastckpt.verify(ckpt(base, "a")).ok
+    assert fastckpt.verify(below(base, "a")).ok
     ok(job("load", base, 2))  # resharded onto 2 ranks
 
 
@@ -50,7 +49,7 @@ def test_rank_killed_mid_save_leaves_no_checkpoint(tmp_path: Path) -> None:
     assert crashed.returncode != 0 and "exit codes: [1, 1, 9, 1]" in crashed.stdout, crashed.stdout[-2000:]
     assert fastckpt.latest(base) is None
     with pytest.raises(CheckpointError, match="not committed"):
-        fastckpt.open_checkpoint(ckpt(base, "c"))
+        fastckpt.open_checkpoint(below(base, "c"))
     report = fastckpt.gc(base, older_than_s=0)
     assert report.aborted_uploads and report.removed
     ok(job("resave", base, 2))  # a new run saves the same checkpoint and loads it back
@@ -67,4 +66,4 @@ def test_fastckpt_torch_ranks_through_torch_distributed(tmp_path: Path) -> None:
     assert crashed.returncode != 0 and "exit codes: [1, 1, 9, 1]" in crashed.stdout, crashed.stdout[-2000:]
     assert fastckpt.latest(base).endswith("/t")
     with pytest.raises(CheckpointError, match="not committed"):
-        fastckpt.open_checkpoint(ckpt(base, "u"))
+        fastckpt.open_checkpoint(below(base, "u"))

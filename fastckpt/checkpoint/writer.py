@@ -270,22 +270,21 @@ class CheckpointWriter:
         name = self._reserve(name)
         key = self.uri.join(name)
         try:
-            chunks = await hash_layout(layout, plan_upload(layout.size, self.config, transfer.store).part_size)
-            held = await self._clear_leftovers([key], lambda k: self._holds_layout(transfer, k, layout.size, chunks))
-            if key in held:
-                digest = held[key].digest
-            else:
+            part_size = plan_upload(layout.size, self.config, transfer.store).part_size
+            chunks = await hash_layout(layout, part_size)
+            digest = FileDigest(layout.size, part_size, combine(chunks))
+
+            async def holds(k: str) -> FileResult | None:
+                return FileResult(k, "", digest) if await transfer.holds_digest(k, digest) else None
+
+            if key not in await self._clear_leftovers([key], holds):
                 async with self._not_replacing():
-                    digest, _ = await upload_layout(transfer, layout, key, if_absent=True, chunks=chunks)
+                    await upload_layout(transfer, layout, key, if_absent=True, chunks=chunks)
         except BaseException:
             self._unreserve([name])
             raise
         self._entries[name] = FileEntry(name, digest, tuple(c.hex() for c in chunks))
         return FileResult(key, "", digest)
-
-    async def _holds_layout(self, transfer: Transfer, key: str, size: int, chunks: list[bytes]) -> FileResult | None:
-        digest = FileDigest(size, plan_upload(size, self.config, transfer.store).part_size, combine(chunks))
-        return FileResult(key, "", digest) if await transfer.holds_digest(key, digest) else None
 
     @contextlib.asynccontextmanager
     async def _not_replacing(self) -> AsyncIterator[None]:

@@ -11,10 +11,8 @@ import asyncio
 import bisect
 from collections.abc import Iterable
 
-import xxhash
-
 from ..errors import AlreadyExistsError, IntegrityError
-from ..integrity import FileDigest, combine, hash_chunks
+from ..integrity import ChunkHasher, FileDigest, combine, hash_chunks
 from ..stores.base import Buffer, PartInfo, Store
 from .io import off_loop
 from .plan import plan_upload
@@ -59,20 +57,10 @@ def hash_pieces(pieces: list[memoryview], chunk_size: int) -> list[bytes]:
     """Chunk digests of the bytes of ``pieces`` laid end to end (their total starts at a chunk boundary)."""
     if len(pieces) == 1:
         return hash_chunks(pieces[0], chunk_size)
-    digests, state, filled = [], xxhash.xxh3_128(), 0
+    hasher = ChunkHasher(chunk_size)
     for piece in pieces:
-        pos = 0
-        while pos < len(piece):
-            take = min(len(piece) - pos, chunk_size - filled)
-            state.update(piece[pos:pos + take])
-            filled, pos = filled + take, pos + take
-            if filled == chunk_size:
-                digests.append(state.digest())
-                state.reset()
-                filled = 0
-    if filled:
-        digests.append(state.digest())
-    return digests
+        hasher.update(piece)
+    return hasher.finish()
 
 
 def _scatter(data: memoryview, pieces: list[memoryview]) -> None:

@@ -27,6 +27,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 import fastckpt.checkpoint.writer
 import fastckpt.torch as ft
 from fastckpt.torch.dcp import Reader, Writer
+from harness.uris import below
 
 SHAPES = {"embed": (96, 40), "layer.0.w": (64, 64), "layer.0.b": (64,), "head": (40, 96)}
 
@@ -66,41 +67,35 @@ async def die_mid_upload(transfer, layout, key, **_):  # type: ignore[no-untyped
     os._exit(9)
 
 
-def under(base: str, name: str) -> str:
-    """URI of ``name`` below ``base``, keeping ``base``'s query options."""
-    path, _, query = base.partition("?")
-    return f"{path.rstrip('/')}/{name}" + (f"?{query}" if query else "")
-
-
 def rank_main(rank: int, mode: str, base: str, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     try:
         if mode == "save":
-            dcp.save(sharded(full_state(1), mesh, 10), storage_writer=Writer(under(base, "a")))
-            dcp.async_save(sharded(full_state(2), mesh, 20), storage_writer=Writer(under(base, "b"))).result()
-            check(load_into(under(base, "a"), mesh, 1), full_state(1), 10)
-            check(load_into(under(base, "b"), mesh, 2), full_state(2), 20)
+            dcp.save(sharded(full_state(1), mesh, 10), storage_writer=Writer(below(base, "a")))
+            dcp.async_save(sharded(full_state(2), mesh, 20), storage_writer=Writer(below(base, "b"))).result()
+            check(load_into(below(base, "a"), mesh, 1), full_state(1), 10)
+            check(load_into(below(base, "b"), mesh, 2), full_state(2), 20)
         elif mode == "load":
-            check(load_into(under(base, "a"), mesh, 1), full_state(1), 10)
-            check(load_into(under(base, "b"), mesh, 2), full_state(2), 20)
+            check(load_into(below(base, "a"), mesh, 1), full_state(1), 10)
+            check(load_into(below(base, "b"), mesh, 2), full_state(2), 20)
         elif mode == "crash":
             if rank == 2:
                 fastckpt.checkpoint.writer.upload_layout = die_mid_upload
-            dcp.save(sharded(full_state(3), mesh, 30), storage_writer=Writer(under(base, "c")))
+            dcp.save(sharded(full_state(3), mesh, 30), storage_writer=Writer(below(base, "c")))
         elif mode == "ft":  # fastckpt.torch on every rank: the barrier is torch.distributed's, by default
             own = {"shard": full_state(5)["layer.0.w"][rank::world].clone(), "rank": rank}
-            ft.async_save(own, under(base, "t"), staging=ft.Staging()).wait()
-            back = ft.load(under(base, "t"), rank=rank, world_size=world)
+            ft.async_save(own, below(base, "t"), staging=ft.Staging()).wait()
+            back = ft.load(below(base, "t"), rank=rank, world_size=world)
             assert torch.equal(back["shard"], own["shard"]) and back["rank"] == rank
         elif mode == "ft-crash":
             if rank == 2:
                 fastckpt.checkpoint.writer.upload_layout = die_mid_upload
-            ft.save({"shard": full_state(6)["head"][rank::world].clone()}, under(base, "u"))
+            ft.save({"shard": full_state(6)["head"][rank::world].clone()}, below(base, "u"))
         elif mode == "resave":
-            dcp.save(sharded(full_state(4), mesh, 40), storage_writer=Writer(under(base, "c")))
-            check(load_into(under(base, "c"), mesh, 4), full_state(4), 40)
+            dcp.save(sharded(full_state(4), mesh, 40), storage_writer=Writer(below(base, "c")))
+            check(load_into(below(base, "c"), mesh, 4), full_state(4), 40)
         dist.barrier()
     finally:
         dist.destroy_process_group()
