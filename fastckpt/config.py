@@ -24,14 +24,18 @@ def parse_size(text: str | int) -> int:
 class TransferConfig:
     """How transfers are split, bounded and retried.
 
-    Memory use is bounded by ``part_size * max_in_flight`` (the buffer pool), whatever the size of
-    the data moved.
+    Memory use is bounded by ``part_size * max_in_flight`` (the buffer pool; a download takes 8 MiB per
+    request in flight), whatever the size of the data moved.
     """
 
     part_size: int = 32 << 20
     """Bytes per multipart part and per hashed chunk (scaled up when a backend's part limit needs it)."""
     max_in_flight: int = 8
     """Parts (requests carrying data) in flight at once, over all files; also the buffer-pool size."""
+    range_size: int = 0
+    """Bytes per ranged read of a download (0: a ``max_in_flight``-th of the files coming down, from ``part_size``
+    to 128 MiB; a multiple of the recorded chunk size). Long ranges cost servers less; an interrupted download
+    resumes range by range."""
     max_open_files: int = 64
     """Files being transferred at once (small files are many; each still takes a pool buffer)."""
     multipart_threshold: int = 32 << 20
@@ -84,7 +88,7 @@ def _convert(name: str, type_name: object, text: str) -> object:
             return text.lower() in ("1", "true", "yes", "on")
         if kind == "float":
             return float(text)
-        if name in ("part_size", "multipart_threshold", "min_rate"):
+        if name in ("part_size", "range_size", "multipart_threshold", "min_rate"):
             return parse_size(text)
         if kind == "str":
             return text

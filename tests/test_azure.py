@@ -26,7 +26,7 @@ from fastckpt.stores.azure import (
     resolve_endpoint,
     shared_key_signer,
 )
-from fastckpt.stores.base import Buffer
+from fastckpt.stores.base import Buffer, BufferReceiver
 from harness.faults import FaultInjectingStore
 
 from .conftest import small_config
@@ -335,7 +335,8 @@ async def test_sdk_internals_this_backend_reads_keep_their_shape(azure_uri: str)
     async with open_store(uri, small_config()) as store:
         await store.put(uri.join("shape"), b"0123456789")
         buf = bytearray(4)
-        resp = await store.inner.send("GET", uri.join("shape"), "", {"x-ms-range": "bytes=2-5"}, sink=memoryview(buf))
+        resp = await store.inner.send("GET", uri.join("shape"), "", {"x-ms-range": "bytes=2-5"},
+                                      into=BufferReceiver(memoryview(buf)))
         assert resp.status == 206 and buf == b"2345"
         sign = shared_key_signer(EMULATOR_ACCOUNT, EMULATOR_KEY)
         headers = sign("GET", "http://h/devstoreaccount1/c/k", {"x-ms-date": "Thu, 03 Dec 2026 10:00:00 GMT"})

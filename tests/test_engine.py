@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import itertools
 import os
 
 import pytest
 
 import fastckpt
-from fastckpt import IntegrityError, ObjectNotFoundError, StoreError, TransientStoreError
+from fastckpt import IntegrityError, ObjectNotFoundError, StoreError, TransferConfig, TransientStoreError
 from fastckpt.engine.pool import BufferPool
 from fastckpt.engine.transfer import Transfer
 from fastckpt.stores.local import LocalStore
@@ -178,31 +180,96 @@ def test_chunk_hasher_matches_one_shot_hashing(pieces: list[int]) -> None:
     assert hasher.finish() == hash_chunks(data, 16)
 
 
-async def test_slow_body_is_hashed_and_written_while_it_arrives(tmp_path) -> None:
-    """A part is hashed and written slice by slice as ``stream_into`` reports bytes in, and a retried request
-    (reporting from 0 again) does not hash anything twice."""
+async def _arrive(sink, data: bytes, step: int, full: list[int] | None = None) -> int:
+    """A request landing ``data`` in ``sink``, ``step`` bytes per socket read, waiting whenever it has no room
+    (``full`` records how much of the file was written each time)."""
+    pos = 0
+    while pos < len(data):
+        room = sink.free()
+        if not len(room):
+            if full is not None:
+                full.append(os.fstat(sink.fd).st_size)
+            await sink.room()
+            continue
+        n = min(len(room), step, len(data) - pos)
+        room[:n] = data[pos:pos + n]
+        sink.landed(n)
+        pos += n
+        await asyncio.sleep(0)
+    return pos
+
+
+async def test_a_long_range_is_hashed_and_written_through_a_small_ring(tmp_path) -> None:
+    """A range five times the ring arrives in uneven reads: each whole slice is hashed and written as it lands,
+    arrival waits while the ring is full, and the file and chunk digests come out whole."""
     import threading
 
-    from fastckpt.engine.sink import SLICE, PartSink
+    from fastckpt.engine.sink import SLICE, RingSink
     from fastckpt.integrity import hash_chunks
 
-    data = os.urandom(3 * SLICE + 5)
-    buf = bytearray(len(data))
+    data = os.urandom(5 * SLICE + 5)
     path = tmp_path / "out"
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     try:
-        sink = PartSink(fd, threading.Lock(), 0, memoryview(buf), 2 * SLICE)
-        written = []
-        for end in (SLICE // 2, SLICE + 10, 2 * SLICE, 100, 3 * SLICE + 5):  # 100: a retry started over
-            buf[:end] = data[:end]
-            sink.on_data(end)
-            await sink.settle()
-            written.append(os.fstat(fd).st_size)
-        digests = await sink.finish(len(data))
+        sink = RingSink("obj", fd, threading.Lock(), 7, len(data), memoryview(bytearray(2 * SLICE)), 3 * SLICE)
+        full: list[int] = []
+        digests = await sink.receive(_arrive(sink, data, 300_001, full))
     finally:
         os.close(fd)
-    assert written == [0, SLICE, 2 * SLICE, 2 * SLICE, 3 * SLICE]  # whole slices, as they arrived
-    assert digests == hash_chunks(data, 2 * SLICE) and path.read_bytes() == data
+    assert digests == hash_chunks(data, 3 * SLICE) and path.read_bytes() == bytes(7) + data
+    assert full and all(size == 0 or size % SLICE == 7 for size in full)  # waits while whole slices are written
+
+
+async def test_a_ring_sink_that_cannot_write_stops_its_request(tmp_path) -> None:
+    """A failed write (here a read-only file) cancels the request receiving into the ring and is raised; an
+    object that ends early is a StoreError."""
+    import threading
+
+    from fastckpt.engine.sink import SLICE, RingSink
+
+    data = os.urandom(4 * SLICE)
+    (tmp_path / "ro").write_bytes(b"")
+    fd = os.open(tmp_path / "ro", os.O_RDONLY)
+    request = asyncio.ensure_future(asyncio.sleep(0))
+    try:
+        sink = RingSink("obj", fd, threading.Lock(), 0, len(data), memoryview(bytearray(SLICE)), SLICE)
+        request = asyncio.ensure_future(_arrive(sink, data, SLICE))
+        with pytest.raises(OSError) as info:
+            await sink.receive(request)
+        assert info.value.errno == errno.EBADF and request.cancelled()
+    finally:
+        os.close(fd)
+    sink = RingSink("obj", None, threading.Lock(), 0, len(data), memoryview(bytearray(SLICE)), SLICE)
+    with pytest.raises(StoreError, match="obj: object shrank during download"):
+        await sink.receive(_arrive(sink, data[:SLICE + 3], 4096))
+
+
+async def test_a_retried_receive_asks_only_for_what_did_not_land() -> None:
+    """A request that fails mid-body is retried from the first byte that had not landed, into the same
+    receiver."""
+    from fastckpt.stores.base import BufferReceiver
+    from fastckpt.stores.retry import RetryingStore
+
+    class CutOff(MemoryStore):
+        calls: list[tuple[int, int]] = []
+
+        async def receive(self, key, start, length, into):
+            self.calls.append((start, length))
+            if len(self.calls) == 1:  # half of it lands, then the connection breaks
+                half = length // 2
+                into.free()[:half] = (await self.get_range(key, start, half))
+                into.landed(half)
+                raise ConnectionResetError("reset mid-body")
+            return await super().receive(key, start, length, into)
+
+    data = os.urandom(1000)
+    store = CutOff()
+    await store.put("k", data)
+    buf = bytearray(900)
+    into = BufferReceiver(memoryview(buf))
+    retried = RetryingStore(store, TransferConfig(backoff_base=0.001))
+    assert await retried.receive("k", 100, 900, into) == 900
+    assert bytes(buf) == data[100:] and store.calls == [(100, 900), (550, 450)]
 
 
 @pytest.mark.parametrize("in_kernel", [True, False])

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from fastckpt.http import HttpClient, ProtocolError
+from fastckpt.stores.base import BufferReceiver, Receiver
 
 DATA = os.urandom(3 << 20)
 
@@ -86,12 +87,56 @@ async def test_ranged_gets_land_in_the_buffer_on_one_kept_alive_connection(serve
     srv, client = server
     for start, end in [(0, 1), (5, 70000), (1 << 20, 3 << 20)]:
         buf = bytearray(end - start)
-        seen: list[int] = []
-        resp = await client.request("GET", f"/data?start={start}&end={end}", {}, sink=memoryview(buf),
-                                    on_data=seen.append)
+        resp = await client.request("GET", f"/data?start={start}&end={end}", {}, into=BufferReceiver(memoryview(buf)))
         assert resp.status == 206 and resp.received == end - start and bytes(buf) == DATA[start:end]
-        assert seen == sorted(seen) and seen[-1] == end - start
     assert srv.connections == 1
+
+
+class Trickle(Receiver):
+    """Takes a body through a ring of ``room`` bytes that is drained a loop turn after bytes land: the connection
+    must stop reading while it is full, and go on when woken."""
+
+    def __init__(self, length: int, room: int) -> None:
+        self.length, self.ring, self.out = length, bytearray(room), bytearray()
+        self.pending = self.full = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.length - self.count
+
+    def free(self) -> memoryview:
+        start = self.count % len(self.ring)
+        room = memoryview(self.ring)[start:min(len(self.ring), start + len(self.ring) - self.pending)]
+        self.full += not len(room)
+        return room
+
+    def landed(self, n: int) -> None:
+        self.count += n
+        self.pending += n
+        asyncio.get_running_loop().call_soon(self.drain)
+
+    def drain(self) -> None:
+        start = (self.count - self.pending) % len(self.ring)
+        while self.pending:
+            n = min(self.pending, len(self.ring) - start)
+            self.out += self.ring[start:start + n]
+            self.pending -= n
+            start = (start + n) % len(self.ring)
+        self.woken()
+
+
+@pytest.mark.parametrize(("length", "room"), [((3 << 20) - 5, 64 << 10), (200_000, 128)])
+async def test_a_receiver_out_of_room_holds_the_socket_until_it_wakes(server, length: int, room: int) -> None:
+    """A body far longer than the receiver's room arrives whole and in order: reading stops while the room is
+    full (128 bytes: less than the body bytes that come with the head, which wait for room too)."""
+    srv, client = server
+    trickle = Trickle(length, room)
+    resp = await client.request("GET", f"/data?start=5&end={5 + length}", {}, into=trickle)
+    assert resp.status == 206 and resp.received == length and bytes(trickle.out) == DATA[5:5 + length]
+    assert trickle.full > 0
+    buf = bytearray(10)  # the connection is whole and reading again
+    resp = await client.request("GET", "/data?start=0&end=10", {}, into=BufferReceiver(memoryview(buf)))
+    assert bytes(buf) == DATA[:10] and srv.connections == 1
 
 
 async def test_a_connection_the_server_closed_while_idle_is_replaced(server) -> None:
@@ -99,7 +144,7 @@ async def test_a_connection_the_server_closed_while_idle_is_replaced(server) -> 
     srv.close_after = 1
     for _ in range(3):
         buf = bytearray(10)
-        resp = await client.request("GET", "/data?start=0&end=10", {}, sink=memoryview(buf))
+        resp = await client.request("GET", "/data?start=0&end=10", {}, into=BufferReceiver(memoryview(buf)))
         assert resp.status == 206 and bytes(buf) == DATA[:10]
         await asyncio.sleep(0.05)  # the server's close arrives while the connection sits idle
     assert srv.connections == 3
@@ -109,21 +154,21 @@ async def test_short_body_raises_and_the_connection_is_not_reused(server) -> Non
     srv, client = server
     buf = bytearray(1000)
     with pytest.raises(ProtocolError, match="mid-response"):
-        await client.request("GET", "/short", {}, sink=memoryview(buf))
-    resp = await client.request("GET", "/data?start=0&end=4", {}, sink=memoryview(bytearray(4)))
+        await client.request("GET", "/short", {}, into=BufferReceiver(memoryview(buf)))
+    resp = await client.request("GET", "/data?start=0&end=4", {}, into=BufferReceiver(memoryview(bytearray(4))))
     assert resp.status == 206 and srv.connections == 2
 
 
 async def test_more_bytes_than_the_buffer_holds_is_an_error(server) -> None:
     _, client = server
     with pytest.raises(ProtocolError, match="server sent 100 bytes for a 10-byte range"):
-        await client.request("GET", "/data?start=0&end=100", {}, sink=memoryview(bytearray(10)))
+        await client.request("GET", "/data?start=0&end=100", {}, into=BufferReceiver(memoryview(bytearray(10))))
 
 
 async def test_error_answers_keep_their_body_out_of_the_buffer(server) -> None:
     _, client = server
     buf = bytearray(b"untouched")
-    resp = await client.request("GET", "/error", {}, sink=memoryview(buf))
+    resp = await client.request("GET", "/error", {}, into=BufferReceiver(memoryview(buf)))
     assert resp.status == 503 and resp.body == b"<Code>SlowDown</Code>" and resp.received == 0
     assert buf == b"untouched"
 
@@ -131,7 +176,7 @@ async def test_error_answers_keep_their_body_out_of_the_buffer(server) -> None:
 async def test_cancelled_read_closes_and_never_writes_the_buffer_again(server) -> None:
     srv, client = server
     buf = bytearray(100000)
-    task = asyncio.ensure_future(client.request("GET", "/stall", {}, sink=memoryview(buf)))
+    task = asyncio.ensure_future(client.request("GET", "/stall", {}, into=BufferReceiver(memoryview(buf))))
     await asyncio.wait_for(srv.stalled.wait(), 10)
     await asyncio.sleep(0.05)
     task.cancel()
@@ -141,7 +186,7 @@ async def test_cancelled_read_closes_and_never_writes_the_buffer_again(server) -
     buf[:] = bytes(len(buf))
     await asyncio.sleep(0.1)
     assert not any(buf)  # the closed connection wrote nothing more
-    resp = await client.request("GET", "/data?start=0&end=4", {}, sink=memoryview(bytearray(4)))
+    resp = await client.request("GET", "/data?start=0&end=4", {}, into=BufferReceiver(memoryview(bytearray(4))))
     assert resp.status == 206 and srv.connections == 2
 
 
@@ -187,7 +232,7 @@ async def test_requests_go_through_the_environments_proxy(server, monkeypatch) -
     try:
         client = HttpClient(f"http://127.0.0.1:{port}")
         buf = bytearray(100)
-        resp = await client.request("GET", "/data?start=0&end=100", {}, sink=memoryview(buf))
+        resp = await client.request("GET", "/data?start=0&end=100", {}, into=BufferReceiver(memoryview(buf)))
         assert resp.status == 206 and bytes(buf) == DATA[:100]
         assert seen and seen[0].startswith(f"CONNECT 127.0.0.1:{port} HTTP/1.1".encode())
         assert b"Proxy-Authorization: Basic dXNAcjpwOnNz" in seen[0]  # us@r:p:ss

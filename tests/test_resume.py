@@ -49,7 +49,7 @@ class HangAfter(FaultInjectingStore):
                 await asyncio.sleep(3600)
 
 async def main(direction, uri, key, path):
-    store, config = HangAfter(open_store(uri, retry=False)), small_config(max_in_flight={IN_FLIGHT})
+    store, config = HangAfter(open_store(uri, retry=False)), small_config(max_in_flight={IN_FLIGHT}, range_size=1)
     if direction == "checkpoint":  # one small file, then the big one (which hangs)
         from fastckpt import CheckpointWriter
         async with CheckpointWriter(uri, attempt="a1", store=store, config=config) as writer:
@@ -79,7 +79,7 @@ def kill_midway(direction: str, uri: str, key: str, path: Path) -> None:
 async def counted(uri: str, direction: str, key: str, path: Path) -> int:
     """Run the transfer to the end in this process; how many parts it sent or fetched."""
     counter = FaultInjectingStore(open_store(uri, retry=False), ops={"put_part", "get_range"})
-    transfer = Transfer(counter, small_config(max_in_flight=IN_FLIGHT))
+    transfer = Transfer(counter, small_config(max_in_flight=IN_FLIGHT, range_size=1))
     try:
         if direction == "up":
             await transfer.upload_file(str(path), key)

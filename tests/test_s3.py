@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-import aiohttp
 import boto3
 import pytest
 
@@ -34,7 +33,7 @@ from fastckpt import (
 from fastckpt.engine.plan import plan_upload
 from fastckpt.engine.transfer import Transfer
 from fastckpt.integrity import META_CHUNK, META_DIGEST, FileDigest
-from fastckpt.stores.s3 import S3Store, resolve_endpoint, response_stream
+from fastckpt.stores.s3 import S3Store, resolve_endpoint
 from harness.faults import FaultInjectingStore
 from harness.procs import free_port
 from harness.s3 import BUCKET, MotoServer, start_moto, stop_moto
@@ -74,7 +73,7 @@ def record_data_path(store, method: str, hold=None) -> list[dict]:
     """Headers (lower-case names) of each ``method`` request the store sends on its HTTP data path; ``hold``: an
     async callable each such request awaits before it goes out."""
     http = store._http
-    assert http is not None, "the store's data path is not on (FASTCKPT_HTTP_DATA_PATH)"
+    assert http is not None, "the store's data path is not started"
     sent: list[dict] = []
     send = http.request
 
@@ -96,9 +95,7 @@ def pending_on_server(server: MotoServer, prefix: str) -> list[dict]:
 # --------------------------------------------------------------------------------- multipart
 
 
-@pytest.mark.parametrize("data_path", ["http", "sdk"])
-async def test_many_parts_in_flight_on_one_client(s3_uri, monkeypatch, tmp_path, data_path: str) -> None:
-    monkeypatch.setenv("FASTCKPT_HTTP_DATA_PATH", "1" if data_path == "http" else "0")
+async def test_many_parts_in_flight_on_one_client(s3_uri, tmp_path) -> None:
     uri = parse_uri(s3_uri)
     store = open_store(uri, small_config())
     client = await store.client()
@@ -112,10 +109,7 @@ async def test_many_parts_in_flight_on_one_client(s3_uri, monkeypatch, tmp_path,
             gate.set()
         await asyncio.wait_for(gate.wait(), timeout=60)
 
-    if data_path == "http":
-        record_data_path(store, "PUT", hold_until_parallel)
-    else:
-        client.meta.events.register("before-send.s3.UploadPart", hold_until_parallel)
+    record_data_path(store, "PUT", hold_until_parallel)
     path, data = make_file(tmp_path, "big", 5 * PART + 123)
     transfer = Transfer(store, small_config())
     try:
@@ -341,13 +335,7 @@ async def test_credential_sources(moto_server, monkeypatch, tmp_path, source: st
     store = open_store(uri, small_config())
     try:
         client = await store.client()
-        if store.fast:
-            sent = record_data_path(store, "GET")
-        else:  # the profile's region (eu-west-3) is not the bucket's: botocore's path, which follows it
-            assert source in ("profile_option", "AWS_PROFILE")
-            sent = []
-            client.meta.events.register("before-send.s3.GetObject", lambda request, **_: sent.append(
-                {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}))
+        sent = record_data_path(store, "GET")
         if source == "anonymous":  # unsigned reads of a public object
             raw_client(moto_server).put_object(Bucket=BUCKET, Key=f"{prefix}/obj", Body=b"payload",
                                                ACL="public-read")
@@ -362,9 +350,9 @@ async def test_credential_sources(moto_server, monkeypatch, tmp_path, source: st
     elif source == "env_with_session_token":
         assert headers["x-amz-security-token"] == "session-token-123"
         assert "Credential=testing-access-key/" in headers["authorization"]
-    else:
+    else:  # the profile's region for the client; the data path signs for the bucket's (us-east-1)
         assert "Credential=profile-key/" in headers["authorization"]
-        assert client.meta.region_name == "eu-west-3"
+        assert client.meta.region_name == "eu-west-3" and "/us-east-1/s3/" in headers["authorization"]
 
 
 async def test_region_option_and_missing_profile(moto_server) -> None:
@@ -413,13 +401,12 @@ def test_sync_api_with_env_endpoint(moto_server, monkeypatch, tmp_path) -> None:
     assert (tmp_path / "back.bin").read_bytes() == data and up.digest == down.digest
 
 
-@pytest.mark.parametrize("knobs", ["defaults", "botocore_checksums_and_expect"])
+@pytest.mark.parametrize("knobs", ["defaults", "botocore_checksums_and_signed_payloads"])
 async def test_client_settings_and_knobs(s3_uri: str, monkeypatch, tmp_path, knobs: str) -> None:
     if knobs != "defaults":
         monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "WHEN_SUPPORTED")
         monkeypatch.setenv("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_supported")
         monkeypatch.setenv("FASTCKPT_S3_PAYLOAD_SIGNING", "auto")
-        monkeypatch.setenv("FASTCKPT_S3_EXPECT_CONTINUE", "1")
     uri = parse_uri(s3_uri)
     store = open_store(uri, small_config())
     try:
@@ -434,53 +421,36 @@ async def test_client_settings_and_knobs(s3_uri: str, monkeypatch, tmp_path, kno
             assert config.request_checksum_calculation == "when_supported"
             assert config.response_checksum_validation == "when_supported"
             assert "payload_signing_enabled" not in config.s3
-        if knobs == "defaults":  # parts go through the HTTP data path, signed by botocore's signer
-            assert store.fast
-            sent = record_data_path(store, "PUT")
-        else:  # botocore's checksums need its own request path
-            assert not store.fast
-            sent = []
-            client.meta.events.register("before-send.s3.UploadPart", lambda request, **_: sent.append(
-                {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}))
+        sent = record_data_path(store, "PUT")  # parts go through the HTTP data path, signed by botocore's signer
         path, data = make_file(tmp_path, "knobs", PART + 5)
         transfer = Transfer(store, small_config())
         await transfer.upload_file(path, uri.join("knobs"))
         await transfer.download_file(uri.join("knobs"), str(tmp_path / "knobs.out"))
         transfer.close()
         assert (tmp_path / "knobs.out").read_bytes() == data
-        assert len(sent) == 2
-        if knobs != "defaults":  # through the SDK: large bodies after 100 Continue
-            big = [h for h in sent if int(h["content-length"]) == PART]
-            assert big and all(h.get("expect") == "100-continue" for h in big)
-        checksummed = [any(k.lower().startswith(("x-amz-checksum-", "x-amz-trailer")) for k in h) for h in sent]
-        assert checksummed == [knobs != "defaults"] * len(sent)
+        assert len(sent) == 2  # no SDK checksum on the data path: XXH3 digests check the bytes end to end
+        assert not any(k.startswith(("x-amz-checksum-", "x-amz-trailer")) for h in sent for k in h)
         signed = {h["x-amz-content-sha256"] for h in sent}
         assert signed == ({"UNSIGNED-PAYLOAD"} if knobs == "defaults" else signed - {"UNSIGNED-PAYLOAD"})
     finally:
         await store.close()
 
 
-async def test_bucket_in_another_region_uses_the_sdk_path(moto_server, tmp_path) -> None:
-    """botocore follows a bucket to its region; the data path signs for the client's: a bucket HeadBucket
-    places elsewhere is served through aiobotocore, and works."""
+async def test_a_bucket_in_another_region_is_followed_there(moto_server, tmp_path) -> None:
+    """botocore follows a bucket to its region, and so does the data path: a bucket HeadBucket places elsewhere
+    is signed for its own region, and works."""
     bucket = f"eu-{uuid.uuid4().hex[:8]}"
     raw_client(moto_server).create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
     store = open_store(moto_server.uri(bucket, "p"), small_config())
     try:
-        await store.client()
-        assert not store.fast
+        client = await store.client()
+        assert client.meta.region_name == "us-east-1" and store._signing[3] == "eu-west-1"
         path, data = make_file(tmp_path, "f", PART + 9)
         transfer = Transfer(store, small_config())
         await transfer.upload_file(path, "p/f")
         await transfer.download_file("p/f", str(tmp_path / "back"))
         transfer.close()
         assert (tmp_path / "back").read_bytes() == data
-    finally:
-        await store.close()
-    store = open_store(moto_server.uri(bucket, "p") + "&region=eu-west-1", small_config())
-    try:
-        await store.client()
-        assert store.fast
     finally:
         await store.close()
 
@@ -681,18 +651,3 @@ def test_hash_in_uri_is_an_error_not_a_request_to_aws(moto_server: MotoServer, t
     assert good.returncode == 0, good.stderr
     client = boto3.client("s3", endpoint_url=moto_server.endpoint)
     assert client.get_object(Bucket=BUCKET, Key="hash/k#1")["Body"].read() == b"payload"
-
-
-async def test_sdk_internals_this_backend_reads_keep_their_shape(s3) -> None:
-    """``response_stream`` is the one private aiobotocore attribute read: a real response has it, and a body
-    without it fails with an error naming the SDK, not an AttributeError deep in a download."""
-    store, uri = s3
-    await store.put(uri.join("shape"), b"0123456789")
-    resp = await store.inner.call("get_object", uri.join("shape"), Key=uri.join("shape"), Range="bytes=2-5")
-    try:
-        stream = response_stream(resp["Body"])
-        assert isinstance(stream, aiohttp.StreamReader) and await stream.read() == b"2345"
-    finally:
-        resp["Body"].close()
-    with pytest.raises(StoreError, match=r"aiobotocore \S+ changed shape"):
-        response_stream(object())

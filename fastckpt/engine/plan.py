@@ -8,6 +8,8 @@ from ..config import TransferConfig
 from ..stores.base import Store
 
 MiB = 1 << 20
+MAX_RANGE = 128 * MiB
+"""Longest ranged read of a download."""
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,13 @@ def plan_upload(size: int, config: TransferConfig, store: Store) -> Plan:
     return Plan(size, part, size > config.multipart_threshold)
 
 
-def plan_download(size: int, chunk_size: int | None, config: TransferConfig) -> Plan:
-    """Read requests aligned to the recorded chunk size (a multiple of it near ``part_size``)."""
-    if not chunk_size:
-        return Plan(size, config.part_size, True)
-    part = chunk_size * max(1, config.part_size // chunk_size)
-    return Plan(size, part, True)
+def plan_download(size: int, chunk_size: int | None, config: TransferConfig, *, batch: int = 0,
+                  longest: int = MAX_RANGE) -> Plan:
+    """Read requests aligned to the recorded chunk size: ``config.range_size``, else about a ``max_in_flight``-th
+    of the file, or of the ``batch`` of files it comes down with, from ``part_size`` on; at most ``longest``
+    (received through a small ring, a long range costs no more memory, and a server less CPU per byte; a reader
+    that holds whole parts passes ``part_size``)."""
+    chunk = chunk_size or config.part_size
+    target = config.range_size or max(config.part_size, max(size, batch) // max(1, config.max_in_flight))
+    target = min(longest, target)
+    return Plan(size, chunk * max(1, target // chunk), True)

@@ -251,7 +251,8 @@ class StreamReader:
         self.size = meta.size
         check = config.verify if verify is None else verify
         self.expected = FileDigest.from_metadata(meta.size, meta.metadata) if check else None
-        plan = plan_download(meta.size, self.expected.chunk_size if self.expected else None, config)
+        plan = plan_download(meta.size, self.expected.chunk_size if self.expected else None, config,
+                             longest=config.part_size)
         self.part_size, self.count = plan.part_size, plan.count
         self.chunk_size = self.expected.chunk_size if self.expected else plan.part_size
         self.window = max(1, config.max_in_flight)

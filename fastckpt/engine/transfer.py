@@ -20,7 +20,7 @@ from .journal import Journal, resumable_paths, state_dir
 from .plan import Plan, plan_download, plan_upload
 from .pool import BufferPool
 from .progress import Progress, ProgressCallback
-from .sink import PartSink, copy_and_hash
+from .sink import RING, RingSink, copy_and_hash, hash_file_range
 from .tasks import gather_all
 
 log = logging.getLogger("fastckpt")
@@ -45,6 +45,8 @@ class Transfer:
         self.config = config or TransferConfig.from_env()
         self.store = retrying(store, self.config)
         self.pool = BufferPool(self.config.part_size, self.config.max_in_flight)
+        self.rings = BufferPool(RING, self.config.max_in_flight)
+        """Ring buffers of the ranges being received (``engine.sink``)."""
         self.progress = Progress(progress)
         self._files = asyncio.Semaphore(self.config.max_open_files)
         self._dirs: set[str] = set()
@@ -54,6 +56,7 @@ class Transfer:
     def close(self) -> None:
         """Release pooled buffers."""
         self.pool.close()
+        self.rings.close()
 
     # ----------------------------------------------------------------------------- uploads
 
@@ -260,16 +263,17 @@ class Transfer:
         """Download ``(key, local path)`` pairs concurrently; digests from ``expected`` or metadata. ``sizes``
         (from a listing) let an object of one part come with its metadata in a single request."""
         expected, sizes = expected or {}, sizes or {}
+        batch = sum(expected[k].size if k in expected else sizes.get(k, 0) for k, _ in pairs)
         failed = asyncio.Event()  # set when one file failed: the others are then cancelled, not interrupted
-        return await gather_all((self._download(k, p, expected.get(k), sizes.get(k), failed) for k, p in pairs),
-                                failed)
+        return await gather_all((self._download(k, p, expected.get(k), sizes.get(k), failed, batch)
+                                 for k, p in pairs), failed)
 
     async def download_file(self, key: str, path: str, expected: FileDigest | None = None) -> FileResult:
         """Download one object to ``path`` (written beside it, verified, then renamed into place)."""
         return (await self.download_files([(key, path)], {key: expected} if expected else None))[0]
 
     async def _download(self, key: str, path: str, expected: FileDigest | None, size: int | None,
-                        failed: asyncio.Event) -> FileResult:
+                        failed: asyncio.Event, batch: int = 0) -> FileResult:
         async with self._files:
             size = expected.size if expected is not None else size
             if (size is not None and 0 < size <= self.config.part_size
@@ -277,18 +281,18 @@ class Transfer:
                 async with self.pool.buffer(size) as buf:
                     meta, n = await self.store.read_with_meta(key, buf)
                     if n == meta.size:
-                        return await self._write(key, path, meta, expected, failed, buf[:n])
-            return await self._write(key, path, await self.store.head(key), expected, failed)
+                        return await self._write(key, path, meta, expected, failed, data=buf[:n])
+            return await self._write(key, path, await self.store.head(key), expected, failed, batch=batch)
 
     async def _write(self, key: str, path: str, meta: ObjectMeta, expected: FileDigest | None, failed: asyncio.Event,
-                     data: memoryview | None = None) -> FileResult:
+                     *, data: memoryview | None = None, batch: int = 0) -> FileResult:
         """Write object ``key`` (``meta``) to ``path`` through a hidden partial file, verified, then renamed into
         place: its bytes fetched part by part, or ``data`` when they are in memory already."""
         if expected is None and self.config.verify:
             expected = FileDigest.from_metadata(meta.size, meta.metadata)
         if expected is not None and expected.size != meta.size:
             raise IntegrityError(f"{key}: size is {meta.size}, its record says {expected.size}")
-        plan = plan_download(meta.size, expected.chunk_size if expected else None, self.config)
+        plan = plan_download(meta.size, expected.chunk_size if expected else None, self.config, batch=batch)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("download %s -> %s: %d bytes, %d part(s) of %d", self.store.uri(key), path, plan.size,
                       plan.count, plan.part_size)
@@ -383,22 +387,16 @@ class Transfer:
                 journal.record(index, digests=",".join(d.hex() for d in digests))
             self.progress.advance(length)
             return digests
-        async with self.pool.buffer(length) as buf:
-            if done is not None:  # in the partial file already: kept when it still hashes the same
-                digests = await off_loop(_read_and_hash_chunks, fd, offset, buf, chunk)
-                if ",".join(d.hex() for d in digests) == done.get("digests"):
-                    self.progress.advance(length)
-                    return digests
-            sink = PartSink(fd, writer, offset, buf, chunk)
-            try:
-                n = await self.store.stream_into(key, offset, buf, sink.on_data)
-                if n != length:
-                    raise StoreError(f"{key}: object shrank during download (got {n} of {length} bytes at {offset})")
-                digests = await sink.finish(n)
-            finally:
-                await sink.close()  # no thread touches the buffer or the file once this part is over
-            if journal is not None:
-                journal.record(index, digests=",".join(d.hex() for d in digests))
+        if done is not None:  # in the partial file already: kept when it still hashes the same
+            digests = await off_loop(hash_file_range, fd, offset, length, chunk)
+            if digests is not None and ",".join(d.hex() for d in digests) == done.get("digests"):
+                self.progress.advance(length)
+                return digests
+        async with self.rings.buffer(RING) as ring:
+            sink = RingSink(key, fd, writer, offset, length, ring, chunk)
+            digests = await sink.receive(self.store.receive(key, offset, length, sink))
+        if journal is not None:
+            journal.record(index, digests=",".join(d.hex() for d in digests))
         self.progress.advance(length)
         return digests
 
@@ -415,11 +413,9 @@ class Transfer:
 
         async def part(index: int) -> list[bytes]:
             offset, length = plan.part(index)
-            async with self.pool.buffer(length) as buf:
-                n = await self.store.read_into(key, offset, buf)
-                if n != length:
-                    raise IntegrityError(f"{key}: object is shorter than recorded ({offset + n} < {meta.size})")
-                digests = await off_loop(hash_chunks, buf, expected.chunk_size)
+            async with self.rings.buffer(RING) as ring:
+                sink = RingSink(key, None, threading.Lock(), offset, length, ring, expected.chunk_size)
+                digests = await sink.receive(self.store.receive(key, offset, length, sink))
             self.progress.advance(length)
             return digests
 
@@ -451,12 +447,3 @@ def _hash_and_write(fd: int, data: memoryview, chunk: int) -> list[bytes]:
     digests = hash_chunks(data, chunk)
     write_at(fd, 0, data)
     return digests
-
-
-def _read_and_hash_chunks(fd: int, offset: int, buf: memoryview, chunk: int) -> list[bytes]:
-    """Read ``len(buf)`` bytes of ``fd`` at ``offset`` into ``buf``; their chunk digests ([] if short)."""
-    try:
-        read_exact(fd, offset, buf)
-    except EOFError:
-        return []
-    return hash_chunks(buf, chunk)

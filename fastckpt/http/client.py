@@ -11,11 +11,15 @@ import base64
 import socket
 import ssl
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 from urllib.parse import SplitResult, unquote, urlsplit
 from urllib.request import getproxies_environment, proxy_bypass_environment
 
 from .connection import Body, Connection, ProtocolError, Response
+
+if TYPE_CHECKING:
+    from ..stores.base import Receiver
 
 
 def _check_header(text: str) -> str:
@@ -56,12 +60,11 @@ class HttpClient:
         self._closed = False
 
     async def request(self, method: str, target: str, headers: Mapping[str, str], *,
-                      body: Body | Sequence[Body] | None = None, sink: memoryview | None = None,
-                      on_data: Callable[[int], None] | None = None) -> Response:
+                      body: Body | Sequence[Body] | None = None, into: Receiver | None = None) -> Response:
         """Send ``method target`` (a path with its query) with ``headers`` (Host and, unless given, Content-Length
         are added)
-        and ``body`` (one buffer, or several sent one after the other); a 2xx body of known length lands in
-        ``sink`` (see ``Connection.request``).
+        and ``body`` (one buffer, or several sent one after the other); a 2xx body of known length goes to
+        ``into`` (see ``Connection.request``).
 
         A connection the server closed while it sat idle is replaced once, silently; any other failure
         raises (``ProtocolError``, ``OSError``, ``asyncio.TimeoutError`` for a connect timeout).
@@ -77,7 +80,7 @@ class HttpClient:
                 conn = await self._connection()
                 reused = conn.used
                 try:
-                    resp = await conn.request(head, pieces, sink, on_data, head_only=method == "HEAD")
+                    resp = await conn.request(head, pieces, into, head_only=method == "HEAD")
                 except ProtocolError as exc:
                     if attempt == 0 and reused and "before any response" in str(exc):
                         continue  # the server had closed it while idle

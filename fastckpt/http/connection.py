@@ -1,10 +1,11 @@
 """One HTTP/1.1 keep-alive connection whose bodies move between the socket and the caller's buffer.
 
 The response head is parsed by ``httptools`` (the C parser under uvloop and uvicorn). A 2xx body of known
-length bound for a caller's buffer is then received by the event loop straight into that buffer
-(``asyncio.BufferedProtocol``: no ``bytes`` object per socket read, no copy), and a request body is handed
-to the transport as a view of the caller's buffer (uvloop sends from it without copying). Other bodies
-(errors, chunked answers) go through the parser into a small ``bytearray``.
+length bound for a caller's ``Receiver`` is then received by the event loop straight into the receiver's
+room (``asyncio.BufferedProtocol``: no ``bytes`` object per socket read, no copy); while the receiver has
+no room, the connection stops reading (TCP holds the sender back) until it wakes it. A request body is
+handed to the transport as a view of the caller's buffer (uvloop sends from it without copying). Other
+bodies (errors, chunked answers) go through the parser into a small ``bytearray``.
 
 A connection serves one request at a time. One that failed, was cancelled or saw anything unexpected is
 closed, never reused: a dying connection must not touch a buffer after its request returned.
@@ -13,10 +14,14 @@ closed, never reused: a dying connection must not touch a buffer after its reque
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import httptools
+
+if TYPE_CHECKING:
+    from ..stores.base import Receiver
 
 SCRATCH = 64 << 10
 """Bytes received per socket read while no caller's buffer takes them (heads, error bodies)."""
@@ -33,8 +38,8 @@ class ProtocolError(ConnectionError):
 
 @dataclass
 class Response:
-    """A response: status, headers (lower-case names), the body when it was not read into a caller's
-    buffer, and how many body bytes went into that buffer."""
+    """A response: status, headers (lower-case names), the body when it was not received by a caller's
+    ``Receiver``, and how many body bytes that receiver got."""
 
     status: int
     headers: dict[str, str] = field(default_factory=dict)
@@ -54,8 +59,10 @@ class Connection(asyncio.BufferedProtocol):
         self._scratch = memoryview(bytearray(SCRATCH))
         self._parser: httptools.HttpResponseParser | None = None
         self._done: asyncio.Future[None] | None = None
-        self._sink: memoryview | None = None
-        self._on_data: Callable[[int], None] | None = None
+        self._into: Receiver | None = None
+        self._held = b""
+        """Body bytes of the head's read that found no room yet."""
+        self._paused = False
         self._head_only = False
         self._direct = False
         self._expected = 0
@@ -85,18 +92,20 @@ class Connection(asyncio.BufferedProtocol):
                 + (f": {exc}" if exc else "")))
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._direct and self._sink is not None:  # never past the promised length: extra bytes are an error
-            return self._sink[self.response.received:self._expected]
+        if self._direct and self._into is not None:  # never past the promised length: extra bytes are an error
+            room = self._into.free()[:self._expected - self.response.received]
+            if len(room):
+                return room
+            self._direct = False  # no room, yet the transport reads: the bytes go to scratch, and the request fails
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
         self._got_any = True
         if self._direct:
-            self.response.received += nbytes
-            if self._on_data is not None:
-                self._on_data(self.response.received)
-            if self.response.received >= self._expected:
-                self._finish()
+            self._landed(nbytes)
+            return
+        if self._into is not None and self._expected:
+            self._fail(ProtocolError("the transport read while the receiver had no room"))
             return
         if self._parser is None:  # bytes while no request is waiting: the stream is out of step
             self.close()
@@ -132,27 +141,22 @@ class Connection(asyncio.BufferedProtocol):
             self._finish()
             return
         length = self._headers.get("content-length")
-        if (self._sink is not None and 200 <= resp.status < 300 and length is not None
+        if (self._into is not None and 200 <= resp.status < 300 and length is not None
                 and "transfer-encoding" not in self._headers):
             self._expected = int(length)
-            if self._expected > len(self._sink):
-                self._fail(ProtocolError(f"server sent {self._expected} bytes for a {len(self._sink)}-byte range"))
+            if self._expected > self._into.remaining:
+                self._fail(ProtocolError(f"server sent {self._expected} bytes for a "
+                                         f"{self._into.remaining}-byte range"))
                 return
             self._direct = True
+            self._into.wake = self._resume
             if self._expected == 0:
                 self._finish()
 
     def on_body(self, body: bytes) -> None:
-        resp = self.response
         if self._direct:  # the part of the body that came in the same read as the head
-            assert self._sink is not None
-            n = min(len(body), self._expected - resp.received)
-            self._sink[resp.received:resp.received + n] = body[:n]
-            resp.received += n
-            if self._on_data is not None:
-                self._on_data(resp.received)
-            if resp.received >= self._expected:
-                self._finish()
+            self._held += body[:self._expected - self.response.received - len(self._held)]
+            self._place_held()
         elif len(self._body) + len(body) > MAX_BODY:
             self._fail(ProtocolError(f"response body over {MAX_BODY} bytes"))
         else:
@@ -164,14 +168,47 @@ class Connection(asyncio.BufferedProtocol):
         if not self._direct:
             self._finish()
 
+    def _landed(self, n: int) -> None:
+        """``n`` body bytes went into the receiver's room."""
+        assert self._into is not None
+        self.response.received += n
+        self._into.landed(n)
+        if self.response.received >= self._expected:
+            self._finish()
+        elif not len(self._into.free()) and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def _place_held(self) -> None:
+        """Move held bytes into the receiver's room, as far as it goes."""
+        while self._held and self._direct and self._into is not None:
+            room = self._into.free()
+            n = min(len(room), len(self._held))
+            if not n:
+                if not self._paused and self.transport is not None:
+                    self._paused = True
+                    self.transport.pause_reading()
+                return
+            room[:n] = self._held[:n]
+            self._held = self._held[n:]
+            self._landed(n)
+
+    def _resume(self) -> None:
+        """The receiver has room again."""
+        if self._held:
+            self._place_held()
+        if self._paused and not self._held and self._direct and not self.closed and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+
     # ----------------------------------------------------------------------------- requests
 
-    async def request(self, head: bytes, body: Sequence[Body] = (), sink: memoryview | None = None,
-                      on_data: Callable[[int], None] | None = None, *, head_only: bool = False) -> Response:
-        """Send ``head`` (request line and headers) and the ``body`` pieces; the response, its 2xx body received into
-        ``sink`` when given (``Response.received`` bytes; ``on_data(n)`` is called on the loop each time the first
-        ``n`` bytes of ``sink`` are in; it must not raise), other bodies in ``Response.body``. ``head_only``: the
-        request was a HEAD (the answer ends with its headers).
+    async def request(self, head: bytes, body: Sequence[Body] = (), into: Receiver | None = None, *,
+                      head_only: bool = False) -> Response:
+        """Send ``head`` (request line and headers) and the ``body`` pieces; the response, its 2xx body received by
+        ``into`` when given (``Response.received`` bytes; the receiver's calls run on the loop and must not
+        raise), other bodies in ``Response.body``. ``head_only``: the request was a HEAD (the answer ends with its
+        headers).
 
         Raises ``ProtocolError`` (or the ``OSError`` of the socket) when the exchange breaks; the connection
         is then closed. Cancelling closes it too.
@@ -180,7 +217,7 @@ class Connection(asyncio.BufferedProtocol):
             raise ProtocolError("connection is closed")
         self._reset_response()
         self._parser = httptools.HttpResponseParser(self)
-        self._sink, self._on_data, self._direct, self._expected, self._got_any = sink, on_data, False, 0, False
+        self._into, self._held, self._direct, self._expected, self._got_any = into, b"", False, 0, False
         self._head_only = head_only
         self._done = self.loop.create_future()
         try:
@@ -222,11 +259,15 @@ class Connection(asyncio.BufferedProtocol):
         self.close()
 
     def _release_sink(self) -> None:
-        """From here on nothing is received into the caller's buffer."""
-        if self._direct:
-            self._direct = False
-            self._expected = 0
-        self._sink = self._on_data = None
+        """From here on nothing is received into the caller's receiver (and reading goes on, for the next
+        answer or the server's close)."""
+        if self._into is not None:
+            self._into.wake = None
+        self._direct, self._expected, self._into, self._held = False, 0, None, b""
+        if self._paused:
+            self._paused = False
+            if not self.closed and self.transport is not None:
+                self.transport.resume_reading()
 
     def close(self) -> None:
         """Close the connection at once (buffered writes are dropped)."""

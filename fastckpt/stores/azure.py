@@ -47,7 +47,17 @@ from ..engine.tasks import gather_bounded
 from ..errors import AccessDeniedError, BucketNotFoundError, ObjectNotFoundError, StoreError
 from ..http import HttpClient, ProtocolError, Response
 from ..uri import StorageURI, check_options, parse_flag
-from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix, read_range
+from .base import (
+    Buffer,
+    ListPage,
+    MultipartUpload,
+    ObjectMeta,
+    PartInfo,
+    PendingUpload,
+    Receiver,
+    ReceivingStore,
+    in_prefix,
+)
 from .classify import ErrorTable, classify, unreachable
 
 MiB = 1 << 20
@@ -202,7 +212,7 @@ def resolve_endpoint(options: Mapping[str, str], env: Mapping[str, str] | None =
 # ----------------------------------------------------------------------------- the store
 
 
-class AzureStore(Store):
+class AzureStore(ReceivingStore):
     """Blobs of one container. The client is made on first use, in the loop that drives the store."""
 
     name = "azure"
@@ -353,19 +363,11 @@ class AzureStore(Store):
         return ObjectMeta(key, props.size, props.last_modified.timestamp(), props.etag,
                           _decode_metadata(props.metadata))
 
-    async def get_range(self, key: str, start: int, length: int) -> bytes:
-        return await read_range(self, key, start, length)
-
-    async def read_into(self, key: str, start: int, buf: memoryview) -> int:
-        return await self.stream_into(key, start, buf, None)
-
-    async def stream_into(self, key: str, start: int, buf: memoryview,
-                          on_data: Callable[[int], None] | None) -> int:
-        """One ranged Get Blob on the HTTP data path, its body received straight into ``buf``."""
-        if not len(buf):
+    async def receive(self, key: str, start: int, length: int, into: Receiver) -> int:
+        """One ranged Get Blob on the HTTP data path, its body received straight by ``into``."""
+        if not length:
             return 0
-        resp = await self.send("GET", key, "", {"x-ms-range": f"bytes={start}-{start + len(buf) - 1}"}, sink=buf,
-                               on_data=on_data)
+        resp = await self.send("GET", key, "", {"x-ms-range": f"bytes={start}-{start + length - 1}"}, into=into)
         if resp.status == 416:  # start at or past the end
             return 0
         if resp.status == 200 and start:

@@ -13,6 +13,8 @@ retries live in one wrapper (``stores.retry.RetryingStore``), applied by ``open_
 from __future__ import annotations
 
 import abc
+import asyncio
+import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -58,6 +60,63 @@ class PendingUpload:
     key: str
     upload_id: str
     started: float = 0.0
+
+
+class Receiver:
+    """Where a read's bytes land, as they arrive: ``free()`` is the room for the next ones (empty while there
+    is none), ``landed(n)`` records that the first ``n`` bytes of that room were filled; ``count`` bytes have
+    landed in all, and ``remaining`` more are accepted. A receiver out of room calls ``wake`` (set by whoever
+    waits for room) once it has some again."""
+
+    count = 0
+    wake: Callable[[], None] | None = None
+
+    @property
+    def remaining(self) -> int:
+        """Bytes still accepted."""
+        raise NotImplementedError
+
+    def free(self) -> memoryview:
+        """The room for the next bytes."""
+        raise NotImplementedError
+
+    def landed(self, n: int) -> None:
+        """``n`` bytes were written at the start of the last ``free()``."""
+        self.count += n
+
+    def woken(self) -> None:
+        """There is room again: tell whoever waits."""
+        if self.wake is not None:
+            self.wake()
+
+    async def room(self) -> None:
+        """Wait until ``free()`` is not empty."""
+        while not len(self.free()):
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.wake = functools.partial(_settle, waiter)
+            try:
+                await waiter
+            finally:
+                self.wake = None
+
+
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class BufferReceiver(Receiver):
+    """Bytes received into one buffer, from its start."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+
+    @property
+    def remaining(self) -> int:
+        return self.buf.nbytes - self.count
+
+    def free(self) -> memoryview:
+        return self.buf[self.count:]
 
 
 class MultipartUpload(abc.ABC):
@@ -165,13 +224,23 @@ class Store(abc.ABC):
             return meta, 0
         return meta, await self.read_into(key, 0, buf[:meta.size])
 
-    async def stream_into(self, key: str, start: int, buf: memoryview, on_data: Callable[[int], None]) -> int:
-        """``read_into``, calling ``on_data(n)`` (on the loop; it must not raise) as the first ``n`` bytes of
-        ``buf`` are in, so the caller can work on them while the rest arrives. A backend that cannot tell
-        calls it once, at the end. A retried request fills ``buf`` again from its start with the same bytes."""
-        n = await self.read_into(key, start, buf)
-        on_data(n)
-        return n
+    async def receive(self, key: str, start: int, length: int, into: Receiver) -> int:
+        """Receive ``length`` bytes of ``key`` from ``start`` into ``into`` as they arrive (waiting while it has no
+        room); the bytes received, fewer only at the end of the object. After a failure ``into.count`` says how
+        many landed: a retry asks for the rest. By default, one ``read_into`` per stretch of room."""
+        got = 0
+        while got < length:
+            view = into.free()
+            if not len(view):
+                await into.room()
+                continue
+            want = min(len(view), length - got)
+            n = await self.read_into(key, start + got, view[:want])
+            into.landed(n)
+            got += n
+            if n < want:
+                break
+        return got
 
     @abc.abstractmethod
     async def put(
@@ -276,8 +345,26 @@ class Store(abc.ABC):
         """Abort an upload found by ``list_pending_uploads``."""
 
 
+class ReceivingStore(Store):
+    """A store whose reads are ``receive`` requests (the HTTP data path): ``get_range`` and ``read_into``
+    derive from it."""
+
+    @abc.abstractmethod
+    async def receive(self, key: str, start: int, length: int, into: Receiver) -> int:
+        """See ``Store.receive``; ``length`` may be 0."""
+
+    async def read_into(self, key: str, start: int, buf: memoryview) -> int:
+        return await self.receive(key, start, buf.nbytes, BufferReceiver(buf))
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            await self.head(key)
+            return b""
+        return await read_range(self, key, start, length)
+
+
 async def read_range(store: Store, key: str, start: int, length: int) -> bytes:
-    """``get_range`` of a backend that reads through ``read_into``: ``length`` bytes of ``key`` from ``start``
+    """``get_range`` of a store that reads through ``read_into``: ``length`` bytes of ``key`` from ``start``
     (fewer at the end of the object)."""
     buf = bytearray(max(0, length))
     with memoryview(buf) as view:

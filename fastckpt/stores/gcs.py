@@ -51,7 +51,17 @@ from ..engine.tasks import gather_bounded
 from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError, TransientStoreError
 from ..http import HttpClient, Response
 from ..uri import StorageURI, check_options
-from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix, read_range
+from .base import (
+    Buffer,
+    ListPage,
+    MultipartUpload,
+    ObjectMeta,
+    PartInfo,
+    PendingUpload,
+    Receiver,
+    ReceivingStore,
+    in_prefix,
+)
 from .classify import ErrorTable, classify, unreachable
 from .conditional import IfAbsentGuard
 
@@ -199,7 +209,7 @@ class GCSUpload(MultipartUpload):
         await self._store.delete_prefix(self.prefix)
 
 
-class GCSStore(Store):
+class GCSStore(ReceivingStore):
     """Objects of one GCS bucket; keys are object names."""
 
     name = "gcs"
@@ -464,22 +474,15 @@ class GCSStore(Store):
             self.bucket, key, headers=h, timeout=self._timeout), key=key)  # type: ignore[arg-type]
         return self._meta(item)
 
-    async def get_range(self, key: str, start: int, length: int) -> bytes:
-        return await read_range(self, key, start, length)
-
-    async def read_into(self, key: str, start: int, buf: memoryview) -> int:
-        return await self.stream_into(key, start, buf, None)
-
-    async def stream_into(self, key: str, start: int, buf: memoryview,
-                          on_data: Callable[[int], None] | None) -> int:
-        """One ranged media GET on the HTTP data path, its body received straight into ``buf``."""
-        if not len(buf):
+    async def receive(self, key: str, start: int, length: int, into: Receiver) -> int:
+        """One ranged media GET on the HTTP data path, its body received straight by ``into``."""
+        if not length:
             return 0
-        headers = {"Range": f"bytes={start}-{start + len(buf) - 1}", "Accept-Encoding": "identity"}
+        headers = {"Range": f"bytes={start}-{start + length - 1}", "Accept-Encoding": "identity"}
         path = f"/storage/v1/b/{self.bucket}/o/{quote(key, safe='')}?alt=media"
 
         async def read(_: Storage, auth: dict[str, str]) -> int:
-            resp = await self._data_request("GET", path, {**auth, **headers}, sink=buf, on_data=on_data)
+            resp = await self._data_request("GET", path, {**auth, **headers}, into=into)
             if resp.status == 416:  # start at or past the end
                 return 0
             if resp.status == 200 and start:

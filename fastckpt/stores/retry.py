@@ -10,9 +10,10 @@ store handed in by a caller, so the layers above never retry by themselves.
 
 The policy per operation:
 
-- reads (``head``, ``get_range``, ``read_into``), ``list_page``, deletes, puts, part uploads, creating
-  and aborting multipart uploads, listing and aborting pending uploads: idempotent, retried (a retried
-  ``create_multipart`` may leave an orphan upload behind, which ``gc`` aborts).
+- reads (``head``, ``get_range``, ``read_into``; ``receive``, whose retry asks only for the bytes that had
+  not landed), ``list_page``, deletes, puts, part uploads, creating and aborting multipart uploads, listing
+  and aborting pending uploads: idempotent, retried (a retried ``create_multipart`` may leave an orphan
+  upload behind, which ``gc`` aborts).
 - a non-paged ``list`` (local, memory, wrappers): retried only until it has yielded its first object;
   paged backends list through ``list_page``, so every page is retried on its own.
 - create-if-absent ``put`` and ``complete``: retried as well, which is safe here because a retry whose
@@ -33,7 +34,7 @@ from typing import Any, TypeVar
 
 from ..config import TransferConfig
 from ..errors import TransientStoreError
-from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
+from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Receiver, Store
 from .classify import EndpointUnreachableError
 
 T = TypeVar("T")
@@ -144,9 +145,15 @@ class RetryingStore(Store):
     async def read_with_meta(self, key: str, buf: memoryview) -> tuple[ObjectMeta, int]:
         return await self._retry_data(f"read of {key}", buf.nbytes, lambda: self.inner.read_with_meta(key, buf))
 
-    async def stream_into(self, key: str, start: int, buf: memoryview, on_data: Callable[[int], None]) -> int:
-        return await self._retry_data(f"read of {key}", buf.nbytes,
-                                      lambda: self.inner.stream_into(key, start, buf, on_data))
+    async def receive(self, key: str, start: int, length: int, into: Receiver) -> int:
+        """Each retry asks for what has not landed in ``into`` yet."""
+        first = into.count
+
+        async def rest() -> int:
+            got = into.count - first
+            return got + await self.inner.receive(key, start + got, length - got, into)
+
+        return await self._retry_data(f"read of {key}", length, rest)
 
     async def put(
         self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None

@@ -6,9 +6,11 @@ and the environment (the AWS variables botocore reads, and the ``FASTCKPT_S3_*``
 Configuration section). Credentials come from botocore's chain. A custom endpoint is path-style.
 
 Create-if-absent sends ``If-None-Match: *``; ``stores.conditional`` makes it safe on servers that
-ignore it. Bodies are sent from the caller's buffer (``Expect: 100-continue`` on large ones, so aiohttp
-does not join headers and body into a copy) and ranged reads land in the caller's buffer. botocore's
-own retries are off (``stores.retry`` retries); an endpoint never reached raises StoreError at once.
+ignore it. Ranged GETs, HEADs, part uploads and puts go through the shared HTTP data path
+(``fastckpt.http``), signed by botocore's SigV4 signer for the bucket's region: bodies are sent from the
+caller's buffer and received into the caller's receiver. They carry no SDK checksum (fastckpt's XXH3
+digests check every byte end to end); everything else goes through aiobotocore. botocore's own retries
+are off (``stores.retry`` retries); an endpoint never reached raises StoreError at once.
 """
 
 from __future__ import annotations
@@ -23,14 +25,13 @@ import posixpath
 import re
 import secrets
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from typing import Any, ClassVar
 from urllib.parse import quote, urlsplit
 
-import aiobotocore
 import aiohttp
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
@@ -64,7 +65,18 @@ from ..errors import (
 )
 from ..http import HttpClient, ProtocolError, Response
 from ..uri import StorageURI, check_options
-from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix, read_range
+from .base import (
+    Buffer,
+    BufferReceiver,
+    ListPage,
+    MultipartUpload,
+    ObjectMeta,
+    PartInfo,
+    PendingUpload,
+    Receiver,
+    ReceivingStore,
+    in_prefix,
+)
 from .classify import ErrorTable, classify, unreachable
 from .conditional import IfAbsentGuard
 
@@ -72,8 +84,6 @@ log = logging.getLogger("fastckpt")
 MiB = 1 << 20
 DELETE_BATCH = 1000
 """Keys per DeleteObjects request (the S3 maximum)."""
-EXPECT_CONTINUE_MIN = 1 * MiB
-"""Bodies from this size on are sent after ``100 Continue``."""
 POOL_HEADROOM = 16
 """Connections beyond ``max_in_flight`` for heads, lists, completes and aborts."""
 
@@ -102,10 +112,6 @@ class _NoSuchUpload(StoreError):
     """The multipart upload was completed or aborted already."""
 
 
-class _InvalidRange(StoreError):
-    """A ranged GET started at or past the end of the object."""
-
-
 def _truthy(text: str | None) -> bool:
     return (text or "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -118,20 +124,6 @@ def _display(url: str | None) -> str:
     host = parts.hostname or ""
     port = f":{parts.port}" if parts.port else ""
     return f"{parts.scheme}://{host}{port}"
-
-
-def _body(data: Buffer, copy: bool = False) -> tuple[Buffer, int]:
-    """The request body and its length in bytes: ``data`` itself unless ``copy`` or not bytes-like.
-
-    A pooled buffer's own memoryview is sent as is (no copy, and no second view that would keep
-    the pool from unmapping it should a cancelled request leave references behind). botocore's
-    checksum code takes only bytes or files, hence ``copy`` when checksums are on.
-    """
-    if isinstance(data, (bytes, bytearray)):
-        return data, len(data)
-    if not copy and isinstance(data, memoryview) and data.ndim == 1 and data.format in ("B", "b", "c"):
-        return data, data.nbytes
-    return bytes(data), memoryview(data).nbytes
 
 
 def _timestamp(value: Any) -> datetime:
@@ -171,50 +163,6 @@ def resolve_endpoint(options: Mapping[str, str], environ: Mapping[str, str] = os
     return endpoint.rstrip("/")
 
 
-def response_stream(body: Any) -> aiohttp.StreamReader:
-    """The aiohttp stream under an aiobotocore response body: the one private SDK attribute this
-    backend reads (``raw_stream``); a clear error, not an AttributeError, if aiobotocore changes it."""
-    stream = getattr(getattr(body, "raw_stream", None), "content", None)
-    if not isinstance(stream, aiohttp.StreamReader):
-        raise StoreError(f"aiobotocore {aiobotocore.__version__} changed shape: its response body "
-                         f"({type(body).__name__}) has no raw_stream.content stream; fastckpt needs an update")
-    return stream
-
-
-async def _stream_into(body: Any, buf: memoryview, length: int) -> int:
-    """Copy a response body into ``buf`` chunk by chunk as the socket delivers it; bytes copied.
-
-    Each chunk aiohttp received is copied once, straight into ``buf`` (the body's ``read(n)`` and
-    ``readinto`` would first join the buffered chunks into a new bytes object).
-    """
-    stream = response_stream(body)
-    done = 0
-    while done < length:
-        chunk, end_of_http_chunk = await stream.readchunk()
-        if not chunk:
-            if end_of_http_chunk:
-                continue
-            break
-        n = min(len(chunk), length - done)
-        buf[done : done + n] = chunk if n == len(chunk) else chunk[:n]
-        done += n
-    return done
-
-
-def _expect_continue(request: Any, **_: Any) -> None:
-    """Ask for ``100 Continue`` before large bodies (botocore does so for file bodies).
-
-    The headers then go out alone and the body is written from the caller's buffer; otherwise
-    aiohttp (on Python < 3.12.9) joins headers and body into one new bytes object, a copy of every part.
-    """
-    try:
-        size = len(request.body)
-    except TypeError:
-        return
-    if size >= EXPECT_CONTINUE_MIN:
-        request.headers["Expect"] = "100-continue"
-
-
 def _content_md5(request: Any, **_: Any) -> None:
     """Add Content-MD5 to DeleteObjects: MinIO-based servers (the JuiceFS gateway) refuse it without,
     and botocore's newer defaults send only a CRC."""
@@ -236,14 +184,9 @@ class S3Upload(MultipartUpload):
     async def put_part(self, index: int, data: Buffer) -> PartInfo:
         if self._finished:
             raise StoreError(f"multipart upload of {self._store.where(self.key)} is no longer active")
-        body, size = _body(data, self._store.copy_bodies)
         query = {"partNumber": str(index + 1), "uploadId": self.upload_id}
-        if self._store.fast:
-            resp = await self._store.send("PUT", self.key, query, {}, body=body)
-            return PartInfo(index, size, resp.headers.get("etag", ""))
-        answer = await self._store.call("upload_part", self.key, Key=self.key, UploadId=self.upload_id,
-                                        PartNumber=index + 1, Body=body, ContentLength=size)
-        return PartInfo(index, size, answer["ETag"])
+        resp = await self._store.send("PUT", self.key, query, {}, body=data)
+        return PartInfo(index, memoryview(data).nbytes, resp.headers.get("etag", ""))
 
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
         """Assemble the parts; ``metadata`` is ignored (S3 takes it at creation only)."""
@@ -269,7 +212,7 @@ class S3Upload(MultipartUpload):
         self._finished = True
 
 
-class S3Store(Store):
+class S3Store(ReceivingStore):
     """One bucket on S3 or an S3-compatible server; one aiobotocore client, created on first use.
 
     Use it inside one event loop (the client's connection pool belongs to the loop that first
@@ -292,11 +235,6 @@ class S3Store(Store):
         self.endpoint = _display(options.endpoint_url)
         self.addressing_style = options.addressing_style or ("path" if options.endpoint_url else "auto")
         self.max_pool_connections = max_pool_connections
-        # botocore's checksum code reads bytes or files only, not memoryviews
-        self.copy_bodies = options.request_checksum_calculation != "when_required"
-        self.fast = options.http_data_path and not self.copy_bodies
-        """Whether data requests (ranged GET, PUT) go through ``fastckpt.http`` (signed here with botocore's
-        SigV4 signer) instead of aiobotocore: no bytes object per socket read, no copy of a part."""
         self.page_size = page_size
         self._client: Any = None
         self._http: HttpClient | None = None
@@ -333,9 +271,6 @@ class S3Store(Store):
             s3=s3_config,
             request_checksum_calculation=opts.request_checksum_calculation,
             response_checksum_validation=opts.response_checksum_validation,
-            # Bodies are memoryviews of pooled buffers, sent without a copy; botocore's validator
-            # only admits bytes, bytearray and file objects.
-            parameter_validation=False,
             signature_version=UNSIGNED if opts.anonymous else None,
             user_agent_extra="fastckpt",
         )
@@ -344,44 +279,35 @@ class S3Store(Store):
             session = AioSession(profile=opts.profile)
             # listings of many objects: ISO 8601 times parsed by datetime, not dateutil (5,000 keys: ~0.4 CPU-s)
             session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=_timestamp)
-            region = opts.region or session.get_config_variable("region") or "us-east-1"
-            client = await stack.enter_async_context(session.create_client(
-                "s3", region_name=region, endpoint_url=self.endpoint_url, use_ssl=opts.use_ssl, config=config))
-        except _CLIENT_ERRORS as exc:
+
+            async def open_client(region: str) -> Any:
+                return await stack.enter_async_context(session.create_client(
+                    "s3", region_name=region, endpoint_url=self.endpoint_url, use_ssl=opts.use_ssl, config=config))
+
+            client = await open_client(opts.region or session.get_config_variable("region") or "us-east-1")
+            client.meta.events.register("before-sign.s3.DeleteObjects", _content_md5)
+            region = await self._bucket_region(client)
+            # botocore follows a bucket to its region; the data path signs for it, at the address it has there
+            addressing = client if region in (None, client.meta.region_name) else await open_client(region)
+            await self._start_data_path(addressing, session)
+        except BaseException as exc:
             await stack.aclose()
-            raise self._translate(exc, "") from exc
-        client.meta.events.register("before-sign.s3.DeleteObjects", _content_md5)
-        if self.fast:
-            try:
-                await self._start_data_path(client, session)
-            except BaseException as exc:
-                await stack.aclose()
-                if isinstance(exc, _CLIENT_ERRORS):
-                    raise self._translate(exc, "") from exc
-                raise
-        if opts.expect_continue:
-            for op in ("PutObject", "UploadPart"):
-                client.meta.events.register(f"before-sign.s3.{op}", _expect_continue)
+            if isinstance(exc, _CLIENT_ERRORS):
+                raise self._translate(exc, "") from exc
+            raise
         self._stack = stack
         return client
 
     async def _start_data_path(self, client: Any, session: AioSession) -> None:
-        """The bucket's URL as botocore addresses it (endpoint, addressing style), the credentials and the
-        HTTP client of the data path."""
+        """The bucket's URL as ``client`` (in the bucket's region) addresses it, the credentials and the HTTP
+        client of the data path."""
         probe = "k"
         url = await client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": probe},
                                                   ExpiresIn=60)
         parts = urlsplit(url)
         if not parts.path.endswith("/" + probe):
             raise StoreError(f"botocore addressed s3://{self.bucket}/{probe} as {parts.path!r}; fastckpt needs an "
-                             "update (or set FASTCKPT_HTTP_DATA_PATH=0)")
-        region = await self._bucket_region(client)
-        if region and region != client.meta.region_name:
-            # botocore redirects its own requests to the bucket's region; the data path would be refused
-            log.info("s3://%s is in %s, not %s: its data requests go through aiobotocore (pass ?region=%s to "
-                     "use the fast path)", self.bucket, region, client.meta.region_name, region)
-            self.fast = False
-            return
+                             "update")
         origin = f"{parts.scheme}://{parts.netloc}"
         credentials = None if self.options.anonymous else await session.get_credentials()
         if credentials is None and not self.options.anonymous:
@@ -403,10 +329,9 @@ class S3Store(Store):
         return answer.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
 
     async def send(self, method: str, key: str, query: dict[str, str], headers: dict[str, str], *,
-                   body: Buffer | None = None, sink: memoryview | None = None, if_absent: bool = False,
-                   on_data: Callable[[int], None] | None = None) -> Response:
-        """A data request on the fast path, signed with botocore's SigV4 signer; errors as fastckpt errors
-        (a 2xx answer is returned, a 206 or 200 with its body in ``sink``)."""
+                   body: Buffer | None = None, into: Receiver | None = None, if_absent: bool = False) -> Response:
+        """A request on the data path, signed with botocore's SigV4 signer; errors as fastckpt errors (a 2xx or
+        416 answer is returned, a 206 or 200 with its body received by ``into``)."""
         client = await self.client()
         assert self._signing is not None and self._http is not None
         origin, path, credentials, region = self._signing
@@ -418,8 +343,7 @@ class S3Store(Store):
         try:
             if credentials is not None:
                 S3SigV4Auth(await credentials.get_frozen_credentials(), "s3", region).add_auth(request)
-            resp = await self._http.request(method, target, dict(request.headers.items()), body=body, sink=sink,
-                                            on_data=on_data)
+            resp = await self._http.request(method, target, dict(request.headers.items()), body=body, into=into)
         except (*_CLIENT_ERRORS, ProtocolError) as exc:
             raise self._translate(exc, key, if_absent=if_absent) from exc
         self._connected = True
@@ -473,8 +397,6 @@ class S3Store(Store):
             status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
             if code == "NoSuchUpload":
                 return _NoSuchUpload(f"multipart upload of {where} no longer exists (completed or aborted)")
-            if code == "InvalidRange" or status == 416:
-                return _InvalidRange(f"{where}: requested range starts past the end of the object")
             detail = " ".join(str(error.get("Message", "")).split())
             return classify(ERRORS, status, code, place=where, bucket=f"bucket {self.bucket!r}", at=f" {at}",
                             key=key or None, if_absent=if_absent, detail=detail)
@@ -519,25 +441,17 @@ class S3Store(Store):
     # ----------------------------------------------------------------------------- reads
 
     async def head(self, key: str) -> ObjectMeta:
-        if self.fast:  # many small files: a HEAD each, at a fraction of the SDK's CPU
-            try:
-                answer = await self.send("HEAD", key, {}, {})
-            except ObjectNotFoundError:
-                raise await self._missing(key) from None
-            return _meta_of(key, answer.headers, int(answer.headers.get("content-length", 0)))
         try:
-            resp = await self.call("head_object", key, Key=key)
+            answer = await self.send("HEAD", key, {}, {})
         except ObjectNotFoundError:
             raise await self._missing(key) from None
-        metadata = {k.lower(): v for k, v in (resp.get("Metadata") or {}).items()}
-        mtime = resp["LastModified"].timestamp() if resp.get("LastModified") else 0.0
-        return ObjectMeta(key, int(resp["ContentLength"]), mtime, resp.get("ETag"), metadata)
+        return _meta_of(key, answer.headers, int(answer.headers.get("content-length", 0)))
 
     async def read_with_meta(self, key: str, buf: memoryview) -> tuple[ObjectMeta, int]:
         """One ranged GET from the start: its answer's headers carry the object's size and metadata."""
-        if not self.fast or not buf.nbytes:
+        if not buf.nbytes:
             return await super().read_with_meta(key, buf)
-        resp = await self.send("GET", key, {}, {"Range": f"bytes=0-{buf.nbytes - 1}"}, sink=buf)
+        resp = await self.send("GET", key, {}, {"Range": f"bytes=0-{buf.nbytes - 1}"}, into=BufferReceiver(buf))
         if resp.status == 416:  # an empty object
             return await super().read_with_meta(key, buf)
         total = resp.headers.get("content-range", "").rpartition("/")[2]
@@ -551,53 +465,11 @@ class S3Store(Store):
         except ObjectNotFoundError:
             return False
 
-    async def get_range(self, key: str, start: int, length: int) -> bytes:
-        if length <= 0:
-            await self.head(key)
-            return b""
-        if self.fast:
-            return await read_range(self, key, start, length)
-        try:
-            resp = await self._get(key, start, length)
-        except _InvalidRange:
-            return b""
-        body = resp["Body"]
-        try:
-            data = await body.read()
-        except _CLIENT_ERRORS as exc:
-            raise self._translate(exc, key) from exc
-        finally:
-            body.close()
-        return data[:length]
-
-    async def read_into(self, key: str, start: int, buf: memoryview) -> int:
-        """Receive the range straight into ``buf`` (the fast path: no copy; else one copy from aiohttp's chunks)."""
-        length = buf.nbytes
-        if length == 0:
+    async def receive(self, key: str, start: int, length: int, into: Receiver) -> int:
+        """One ranged GET, its body received straight by ``into``."""
+        if not length:
             return 0
-        if self.fast:
-            return await self._read_fast(key, start, buf)
-        try:
-            resp = await self._get(key, start, length)
-        except _InvalidRange:
-            return 0
-        body = resp["Body"]
-        try:
-            return await _stream_into(body, buf, length)
-        except _CLIENT_ERRORS as exc:
-            raise self._translate(exc, key) from exc
-        finally:
-            body.close()
-
-    async def stream_into(self, key: str, start: int, buf: memoryview, on_data: Callable[[int], None]) -> int:
-        if not self.fast or not buf.nbytes:
-            return await super().stream_into(key, start, buf, on_data)
-        return await self._read_fast(key, start, buf, on_data)
-
-    async def _read_fast(self, key: str, start: int, buf: memoryview,
-                         on_data: Callable[[int], None] | None = None) -> int:
-        resp = await self.send("GET", key, {}, {"Range": f"bytes={start}-{start + buf.nbytes - 1}"}, sink=buf,
-                               on_data=on_data)
+        resp = await self.send("GET", key, {}, {"Range": f"bytes={start}-{start + length - 1}"}, into=into)
         if resp.status == 416:  # the range starts at or past the end
             return 0
         if resp.status == 206 and resp.headers.get("content-range", "").startswith(f"bytes {start}-"):
@@ -606,13 +478,6 @@ class S3Store(Store):
             return resp.received
         raise StoreError(f"{self.where(key)}: endpoint {self.endpoint} ignored the Range header "
                          f"(answered {resp.status} {resp.headers.get('content-range', '')})")
-
-    async def _get(self, key: str, start: int, length: int) -> Any:
-        resp = await self.call("get_object", key, Key=key, Range=f"bytes={start}-{start + length - 1}")
-        if start and not resp.get("ContentRange"):
-            resp["Body"].close()
-            raise StoreError(f"{self.where(key)}: endpoint {self.endpoint} ignored the Range header")
-        return resp
 
     async def list_page(self, prefix: str, delimiter: str | None = None, token: str | None = None) -> ListPage:
         """One ListObjectsV2 request."""
@@ -636,17 +501,16 @@ class S3Store(Store):
     async def put(
         self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None
     ) -> None:
-        body, size = _body(data, self.copy_bodies)
         condition = await self.if_absent_params(key) if if_absent else {}
-        if self.fast and all(_plain_header(k) and _plain_header(v) for k, v in (metadata or {}).items()):
+        if all(_plain_header(k) and _plain_header(v) for k, v in (metadata or {}).items()):
             headers = {f"x-amz-meta-{k}": v for k, v in (metadata or {}).items()}
             if condition:
                 headers["If-None-Match"] = condition["IfNoneMatch"]
-            await self.send("PUT", key, {}, headers, body=body, if_absent=if_absent)
+            await self.send("PUT", key, {}, headers, body=data, if_absent=if_absent)
             return
-        params: dict[str, Any] = {"Key": key, "Body": body, "ContentLength": size, "Metadata": dict(metadata or {}),
-                                  **condition}
-        await self.call("put_object", key, if_absent=if_absent, **params)
+        body = bytes(data)  # metadata HTTP headers cannot carry as is: botocore encodes it
+        await self.call("put_object", key, if_absent=if_absent, Key=key, Body=body, ContentLength=len(body),
+                        Metadata=dict(metadata or {}), **condition)
 
     async def if_absent_params(self, key: str) -> dict[str, str]:
         """Request parameters that make a PutObject or CompleteMultipartUpload of ``key`` create-if-absent.
@@ -762,11 +626,6 @@ class S3Options:
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
     if_absent_mode: str = "auto"
-    http_data_path: bool = True
-    """Ranged GETs and PUTs through ``fastckpt.http`` (False: through aiobotocore, as every other request)."""
-    expect_continue: bool = True
-    """Send bodies of 1 MiB and more after ``100 Continue``: aiohttp then writes them from the pooled buffer
-    (a request cancelled mid-body may leave it referenced: the pool never reuses a buffer after a failure)."""
 
     @classmethod
     def from_uri(cls, uri: StorageURI, env: Mapping[str, str] = os.environ) -> S3Options:
@@ -786,8 +645,6 @@ class S3Options:
             connect_timeout=float(env.get("FASTCKPT_S3_CONNECT_TIMEOUT", "10")),
             read_timeout=float(env.get("FASTCKPT_S3_READ_TIMEOUT", "60")),
             if_absent_mode=env.get("FASTCKPT_S3_IF_ABSENT", "auto").strip().lower(),
-            expect_continue=_truthy(env.get("FASTCKPT_S3_EXPECT_CONTINUE", "1")),
-            http_data_path=_truthy(env.get("FASTCKPT_HTTP_DATA_PATH", "1")),
         )
 
     def query(self) -> dict[str, str]:

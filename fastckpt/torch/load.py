@@ -15,7 +15,6 @@ from ..engine.memory import Layout, read_layout
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError
 from ..integrity import FileDigest
-from ..stores.base import read_range
 from ..uri import StorageURI, parse_uri
 from .format import Header, TensorEntry, flatten, header_length, parse_header, unflatten
 from .save import rank_file
@@ -69,10 +68,10 @@ async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: s
         key, what = ckpt.file_key(name), f"{base.raw}/{name}"
         transfer = Transfer(store, cfg)
         try:
-            head = await read_range(transfer.store, key, 0, min(HEAD_READ, digest.size))
+            head = await transfer.store.get_range(key, 0, min(HEAD_READ, digest.size))
             need = header_length(head, what)
             if need > len(head):
-                head = await read_range(transfer.store, key, 0, need)
+                head = await transfer.store.get_range(key, 0, need)
             header = parse_header(head[:need], digest.size, what)
             if header.size != digest.size:
                 raise CheckpointError(f"{what}: header describes {header.size} bytes, the manifest {digest.size}")
