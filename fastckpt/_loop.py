@@ -44,7 +44,12 @@ class BackgroundLoop:
         if threading.current_thread() is self.thread:
             coro.close()
             raise RuntimeError("fastckpt: blocking call made from its own background loop thread")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:  # an interrupt while waiting (Ctrl-C): the coroutine does not go on alone
+            future.cancel()
+            raise
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:

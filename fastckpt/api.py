@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import posixpath
 
-from ._loop import run_sync
+from ._loop import BackgroundLoop
 from .config import TransferConfig
 from .engine.io import local_files, paths_below
 from .engine.progress import ProgressCallback
 from .engine.transfer import FileResult, Transfer
 from .errors import ObjectNotFoundError
-from .stores import open_store
+from .kept import store_for
 from .uri import StorageURI, join_key, parse_uri
 
 PathLike = str | os.PathLike[str]
@@ -43,7 +43,8 @@ async def upload_async(
     else:
         key = target.join(os.path.basename(src)) if str(dst).endswith("/") else target.key
         pairs = [(src, key)]
-    async with open_store(target, config) as store:
+    config = config or TransferConfig.from_env()
+    async with store_for(target, config) as store:
         transfer = Transfer(store, config, progress)
         try:
             return await transfer.upload_files(pairs)
@@ -62,7 +63,8 @@ async def download_async(
     """
     dst = os.fspath(dst)
     source = _target(src)
-    async with open_store(source, config) as store:
+    config = config or TransferConfig.from_env()
+    async with store_for(source, config) as store:
         transfer = Transfer(store, config, progress)
         try:
             try:
@@ -86,14 +88,16 @@ async def download_async(
 
 def upload(src: PathLike, dst: str | StorageURI, *, config: TransferConfig | None = None,
            progress: ProgressCallback | None = None) -> list[FileResult]:
-    """Sync twin of ``upload_async``; safe to call from a thread that runs an event loop."""
-    return run_sync(upload_async(src, dst, config=config, progress=progress))
+    """Sync twin of ``upload_async``, run on fastckpt's background loop, which keeps the store open for the next
+    call (``fastckpt.kept``); an interrupt (Ctrl-C) cancels the transfer."""
+    return BackgroundLoop.get().run(upload_async(src, dst, config=config, progress=progress))
 
 
 def download(src: str | StorageURI, dst: PathLike, *, config: TransferConfig | None = None,
              progress: ProgressCallback | None = None) -> list[FileResult]:
-    """Sync twin of ``download_async``; safe to call from a thread that runs an event loop."""
-    return run_sync(download_async(src, dst, config=config, progress=progress))
+    """Sync twin of ``download_async``, run on fastckpt's background loop, which keeps the store open for the next
+    call (``fastckpt.kept``); an interrupt (Ctrl-C) cancels the transfer."""
+    return BackgroundLoop.get().run(download_async(src, dst, config=config, progress=progress))
 
 
 __all__ = ["download", "download_async", "join_key", "upload", "upload_async"]

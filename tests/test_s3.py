@@ -392,6 +392,27 @@ async def test_endpoint_override_reaches_local_server(moto_server, monkeypatch, 
     assert raw["Body"].read() == b"hi" and raw["Metadata"] == {"k": "v"}
 
 
+def test_sync_calls_keep_one_store_per_location(moto_server, monkeypatch, tmp_path) -> None:
+    """``fastckpt.upload`` / ``download`` called again on a location reuse its open store (one client, one
+    connection pool); the same URI reaching another endpoint through the environment gets a store of its own."""
+    from fastckpt import kept
+
+    path, data = make_file(tmp_path, "step.bin", 3)
+    base = f"s3://{BUCKET}/t-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
+    before = dict(kept._open)
+    for step in range(3):
+        fastckpt.upload(path, f"{base}/step-{step}/w.bin")
+        fastckpt.download(f"{base}/step-{step}/w.bin", tmp_path / f"back-{step}")
+        assert (tmp_path / f"back-{step}").read_bytes() == data
+    [store] = [s for k, s in kept._open.items() if k not in before]
+    assert store.endpoint_url == moto_server.endpoint and store._client is not None
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(StoreError, match="cannot reach S3 endpoint"):
+        fastckpt.download(f"{base}/step-0/w.bin", tmp_path / "nowhere", config=small_config(retries=0))
+    assert len(kept._open) == len(before) + 2
+
+
 def test_sync_api_with_env_endpoint(moto_server, monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
     path, data = make_file(tmp_path, "model.bin", PART + 17)

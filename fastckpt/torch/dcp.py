@@ -46,9 +46,9 @@ from ..engine.memory import Layout, read_layout
 from ..engine.tasks import gather_all
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError
+from ..kept import store_for
 from ..uri import StorageURI, parse_uri
 from .staging import byte_view
-from .stores import store_for
 
 METADATA = ".metadata"
 GROUP_BYTES = 128 << 20

@@ -15,11 +15,11 @@ from ..engine.memory import Layout, read_layout
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError
 from ..integrity import FileDigest
+from ..kept import store_for
 from ..uri import StorageURI, parse_uri
 from .format import Header, TensorEntry, flatten, header_length, parse_header, unflatten
 from .save import rank_file
 from .staging import Staging, byte_view, synchronize
-from .stores import store_for
 
 HEAD_READ = 64 << 10
 """Bytes read first to find the header (one more request when the header is longer)."""
