@@ -23,7 +23,10 @@ from ..stores.base import Receiver
 from .io import io_executor
 
 SLICE = 1 << 20
-"""Bytes hashed and written per step."""
+"""Bytes that land before they are hashed and written."""
+STEP = 256 << 10
+"""Bytes hashed, then written, at a time: each piece is copied to the page cache while hashing left it in the
+CPU's cache (a 4 GiB download: 1 MiB steps cost the client 1.4x the CPU, in the copy into the page cache)."""
 RING = 8 << 20
 """Bytes of ring buffer per range being received."""
 COPY_SLICE = 4 << 20
@@ -144,12 +147,15 @@ class RingSink(Receiver):
         self._job.add_done_callback(self._settled)
 
     def _work(self, start: int, n: int, position: int) -> int:
-        """On an I/O thread: hash ``n`` bytes of the ring from ``start``, then write them at ``position``."""
+        """On an I/O thread: hash ``n`` bytes of the ring from ``start`` and write them at ``position``, ``STEP``
+        bytes at a time."""
         with self.ring[start:start + n] as view:
-            self._hasher.update(view)
-            if self.fd is not None:
-                with self.writer:
-                    write_at(self.fd, position, view)
+            for i in range(0, n, STEP):
+                with view[i:i + STEP] as piece:
+                    self._hasher.update(piece)
+                    if self.fd is not None:
+                        with self.writer:
+                            write_at(self.fd, position + i, piece)
         return n
 
     def _settled(self, job: asyncio.Future[int]) -> None:
