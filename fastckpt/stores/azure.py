@@ -26,7 +26,7 @@ import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from email.utils import formatdate
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import quote, urlsplit
 
 import aiohttp
@@ -47,18 +47,11 @@ from ..engine.tasks import gather_bounded
 from ..errors import AccessDeniedError, BucketNotFoundError, ObjectNotFoundError, StoreError
 from ..http import HttpClient, ProtocolError, Response
 from ..uri import StorageURI, check_options, parse_flag
-from .base import (
-    Buffer,
-    ListPage,
-    MultipartUpload,
-    ObjectMeta,
-    PartInfo,
-    PendingUpload,
-    Receiver,
-    ReceivingStore,
-    in_prefix,
-)
+from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, ReceivingStore, in_prefix
 from .classify import ErrorTable, classify, unreachable
+
+if TYPE_CHECKING:
+    from .base import Receiver
 
 MiB = 1 << 20
 EMULATOR_ACCOUNT = "devstoreaccount1"

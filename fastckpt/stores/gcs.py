@@ -38,7 +38,7 @@ import socket
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from urllib.parse import quote, urlsplit
 
 import aiohttp
@@ -51,19 +51,12 @@ from ..engine.tasks import gather_bounded
 from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError, TransientStoreError
 from ..http import HttpClient, Response
 from ..uri import StorageURI, check_options
-from .base import (
-    Buffer,
-    ListPage,
-    MultipartUpload,
-    ObjectMeta,
-    PartInfo,
-    PendingUpload,
-    Receiver,
-    ReceivingStore,
-    in_prefix,
-)
+from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, ReceivingStore, in_prefix
 from .classify import ErrorTable, classify, unreachable
 from .conditional import IfAbsentGuard
+
+if TYPE_CHECKING:
+    from .base import Receiver
 
 T = TypeVar("T")
 log = logging.getLogger("fastckpt")
