@@ -175,9 +175,8 @@ class Connection(asyncio.BufferedProtocol):
         self._into.landed(n)
         if self.response.received >= self._expected:
             self._finish()
-        elif not len(self._into.free()) and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
+        elif not len(self._into.free()):
+            self._pause()
 
     def _place_held(self) -> None:
         """Move held bytes into the receiver's room, as far as it goes."""
@@ -185,13 +184,17 @@ class Connection(asyncio.BufferedProtocol):
             room = self._into.free()
             n = min(len(room), len(self._held))
             if not n:
-                if not self._paused and self.transport is not None:
-                    self._paused = True
-                    self.transport.pause_reading()
+                self._pause()
                 return
             room[:n] = self._held[:n]
             self._held = self._held[n:]
             self._landed(n)
+
+    def _pause(self) -> None:
+        """Stop reading the socket until the receiver has room (``_resume``)."""
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
 
     def _resume(self) -> None:
         """The receiver has room again."""

@@ -20,6 +20,7 @@ import io
 import os
 import queue
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ from ..engine.tasks import gather_all
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError
 from ..kept import store_for
+from ..stores.base import Store
 from ..uri import StorageURI, parse_uri
 from .staging import byte_view
 
@@ -129,7 +131,27 @@ def _done(value: Any) -> Future:
     return fut
 
 
-class Writer(StorageWriter):
+class _Location:
+    """The checkpoint a DCP writer or reader works on: its URI, its config, and fastckpt's kept store for it."""
+
+    uri: str | None
+    config: TransferConfig | None
+
+    def _target(self) -> StorageURI:
+        if self.uri is None:
+            raise ValueError(f"fastckpt.torch.dcp.{type(self).__name__} needs a checkpoint URI "
+                             "(uri= or checkpoint_id=)")
+        return parse_uri(self.uri)
+
+    @contextlib.asynccontextmanager
+    async def _store(self) -> AsyncIterator[tuple[StorageURI, TransferConfig, Store]]:
+        """(the checkpoint's URI, the config, the open store of its location)."""
+        target, cfg = self._target(), self.config or TransferConfig.from_env()
+        async with store_for(target, cfg) as store:
+            yield target, cfg, store
+
+
+class Writer(_Location, StorageWriter):
     """``StorageWriter`` for ``dcp.save`` / ``dcp.async_save`` to the fastckpt checkpoint ``uri`` (any backend).
 
     ``attempt`` names the run (default: from the environment, else drawn by the coordinator).
@@ -151,11 +173,6 @@ class Writer(StorageWriter):
         if kwargs.get("use_collectives") is False:
             raise ValueError("fastckpt.torch.dcp.Writer commits through DCP's collectives: use_collectives=False "
                              "is not supported")
-
-    def _target(self) -> StorageURI:
-        if self.uri is None:
-            raise ValueError("fastckpt.torch.dcp.Writer needs a checkpoint URI (uri= or checkpoint_id=)")
-        return parse_uri(self.uri)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._target()
@@ -188,8 +205,7 @@ class Writer(StorageWriter):
                       for i, s in zip(plan.items, stored, strict=True)])
 
     async def _write(self, where: _RankPlan, name: str, layout: Layout) -> bytes:
-        target, cfg = self._target(), self.config or TransferConfig.from_env()
-        async with store_for(target, cfg) as store:
+        async with self._store() as (target, cfg, store):
             writer = CheckpointWriter(target, rank=where.rank, world_size=where.world_size, attempt=where.attempt,
                                       config=cfg, barrier=HandedBarrier({}), store=store)
             await writer.__aenter__()
@@ -223,8 +239,7 @@ class Writer(StorageWriter):
             raise CheckpointError(f"DCP save to {self.uri}: the ranks' manifests are not of attempt {attempt!r}")
         own = manifests.pop(0, None)
         handed = {r: manifests.get(r, RankManifest(attempt, r, world_size)).encode() for r in range(1, world_size)}
-        target, cfg = self._target(), self.config or TransferConfig.from_env()
-        async with store_for(target, cfg) as store:
+        async with self._store() as (target, cfg, store):
             writer = CheckpointWriter(target, rank=0, world_size=world_size, attempt=attempt, config=cfg,
                                       barrier=HandedBarrier(handed), store=store)
             async with writer:
@@ -243,7 +258,7 @@ class Writer(StorageWriter):
             return False
 
 
-class Reader(StorageReader):
+class Reader(_Location, StorageReader):
     """``StorageReader`` for ``dcp.load`` from the committed fastckpt checkpoint ``uri`` (any backend)."""
 
     def __init__(self, uri: str | os.PathLike[str] | None = None, *, config: TransferConfig | None = None) -> None:
@@ -257,11 +272,6 @@ class Reader(StorageReader):
         if checkpoint_id is not None:
             self.uri = os.fspath(checkpoint_id)
         self._ckpt = None
-
-    def _target(self) -> StorageURI:
-        if self.uri is None:
-            raise ValueError("fastckpt.torch.dcp.Reader needs a checkpoint URI (uri= or checkpoint_id=)")
-        return parse_uri(self.uri)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_meta.Metadata:
         self._ckpt = _run(self._open())
@@ -278,8 +288,7 @@ class Reader(StorageReader):
         return metadata
 
     async def _open(self) -> Checkpoint:
-        target, cfg = self._target(), self.config or TransferConfig.from_env()
-        async with store_for(target, cfg) as store:
+        async with self._store() as (target, cfg, store):
             return await open_checkpoint_async(target, config=cfg, store=store)
 
     def set_up_storage_reader(self, metadata: dcp_meta.Metadata, is_coordinator: bool, *args: Any,
@@ -386,9 +395,8 @@ class Reader(StorageReader):
     async def _read(self, spans: list[_Span], arrived: queue.Queue[Any], slots: asyncio.Semaphore) -> None:
         """Read ``spans`` (each once a slot is free), every chunk checked against its recorded digest; each
         span, or the first failure, goes to ``arrived``."""
-        cfg = self.config or TransferConfig.from_env()
         try:
-            async with store_for(self._target(), cfg) as store:
+            async with self._store() as (_, cfg, store):
                 transfer = Transfer(store, cfg)
 
                 async def one(span: _Span) -> None:
