@@ -204,7 +204,7 @@ async def test_a_long_range_is_hashed_and_written_through_a_small_ring(tmp_path)
     arrival waits while the ring is full, and the file and chunk digests come out whole."""
     import threading
 
-    from fastckpt.engine.sink import SLICE, RingSink
+    from fastckpt.engine.sink import SLICE, STEP, RingSink
     from fastckpt.integrity import hash_chunks
 
     data = os.urandom(5 * SLICE + 5)
@@ -217,7 +217,7 @@ async def test_a_long_range_is_hashed_and_written_through_a_small_ring(tmp_path)
     finally:
         os.close(fd)
     assert digests == hash_chunks(data, 3 * SLICE) and path.read_bytes() == bytes(7) + data
-    assert full and all(size == 0 or size % SLICE == 7 for size in full)  # waits while whole slices are written
+    assert full and all(size == 0 or size % STEP == 7 for size in full)  # waits while slices are written by STEPs
 
 
 async def test_a_ring_sink_that_cannot_write_stops_its_request(tmp_path) -> None:
