@@ -43,12 +43,14 @@ def plan_upload(size: int, config: TransferConfig, store: Store) -> Plan:
 
 
 def plan_download(size: int, chunk_size: int | None, config: TransferConfig, *, batch: int = 0,
-                  longest: int = MAX_RANGE) -> Plan:
-    """Read requests aligned to the recorded chunk size: ``config.range_size``, else about a ``max_in_flight``-th
-    of the file, or of the ``batch`` of files it comes down with, from ``part_size`` on; at most ``longest``
-    (received through a small ring, a long range costs no more memory, and a server less CPU per byte; a reader
-    that holds whole parts passes ``part_size``)."""
+                  longest: int = MAX_RANGE, streams: int = 0) -> Plan:
+    """Read requests aligned to the recorded chunk size: ``config.range_size``, else about a ``streams``-th (default
+    ``max_in_flight``) of the file, or of the ``batch`` of files it comes down with, from ``part_size`` on; at most
+    ``longest`` (received through a small ring, a long range costs no more memory, and a server less CPU per byte;
+    a reader that holds whole parts passes ``part_size``)."""
     chunk = chunk_size or config.part_size
-    target = config.range_size or max(config.part_size, max(size, batch) // max(1, config.max_in_flight))
+    target = config.range_size or max(config.part_size, max(size, batch) // max(1, streams or config.max_in_flight))
     target = min(longest, target)
+    if size <= target:  # one request, not one cut at a chunk boundary and its tail
+        return Plan(size, chunk * max(1, -(-size // chunk)), True)
     return Plan(size, chunk * max(1, target // chunk), True)

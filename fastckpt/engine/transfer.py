@@ -50,8 +50,9 @@ class Transfer:
         self.progress = Progress(progress)
         self._files = asyncio.Semaphore(self.config.max_open_files)
         self._dirs: set[str] = set()
-        self._local_copies = asyncio.Semaphore(max(2, min(self.config.max_in_flight, os.cpu_count() or 2)))
-        """Parts copied from a local file at once: each keeps a core busy (more only switch between threads)."""
+        self._copy_slots = max(2, min(self.config.max_in_flight, os.cpu_count() or 2))
+        """Ranges copied between local files at once: each keeps a core busy (more only switch between threads)."""
+        self._local_copies = asyncio.Semaphore(self._copy_slots)
 
     def close(self) -> None:
         """Release pooled buffers."""
@@ -74,13 +75,14 @@ class Transfer:
                 raise FileNotFoundError(f"source file {path} does not exist") from None
         self.progress.expect(sum(sizes))
         failed = asyncio.Event()  # set when one file failed: the others are then cancelled, not interrupted
-        return await gather_all((self._upload_counted(p, k, if_absent, failed) for p, k in pairs), failed)
+        return await gather_all((self._upload_counted(p, k, if_absent, failed, sum(sizes)) for p, k in pairs), failed)
 
     async def upload_file(self, path: str, key: str, *, if_absent: bool = False) -> FileResult:
         """Upload one file (progress total grows by its size)."""
         return (await self.upload_files([(path, key)], if_absent=if_absent))[0]
 
-    async def _upload_counted(self, path: str, key: str, if_absent: bool, failed: asyncio.Event) -> FileResult:
+    async def _upload_counted(self, path: str, key: str, if_absent: bool, failed: asyncio.Event, batch: int
+                              ) -> FileResult:
         async with self._files:
             try:
                 fd = os.open(path, os.O_RDONLY)
@@ -94,7 +96,7 @@ class Transfer:
                     log.debug("upload %s -> %s: %d bytes, %d part(s) of %d", path, self.store.uri(key), plan.size,
                               plan.count, plan.part_size)
                 if plan.multipart:
-                    digest = await self._upload_multipart(fd, plan, key, path, if_absent, failed)
+                    digest = await self._upload_multipart(fd, plan, key, path, if_absent, failed, batch)
                 else:
                     digest = await self._upload_single(fd, plan, key, if_absent)
             finally:
@@ -143,7 +145,7 @@ class Transfer:
         return FileDigest.from_metadata(meta.size, meta.metadata) == digest
 
     async def _upload_multipart(self, fd: int, plan: Plan, key: str, path: str, if_absent: bool,
-                                failed: asyncio.Event) -> FileDigest:
+                                failed: asyncio.Event, batch: int) -> FileDigest:
         pre: FileDigest | None = None
         if self.config.digest_metadata and not self.store.metadata_on_complete:
             pre = await self._hash_file(fd, plan)
@@ -157,8 +159,11 @@ class Transfer:
             if journal is not None:
                 journal.start(upload_id=mpu.upload_id)
         try:
-            writer = threading.Lock()  # parts written into one local file: one at a time (see engine.sink)
-            results = await gather_all(self._send_part(fd, plan, i, mpu, journal, writer) for i in range(plan.count))
+            target = mpu.local_fd()
+            if target is not None and not (journal is not None and journal.resumed):  # a local file: copied
+                results = await self._copy_parts(fd, plan, target, journal, batch)
+            else:
+                results = await gather_all(self._send_part(fd, plan, i, mpu, journal) for i in range(plan.count))
             digest = FileDigest(plan.size, plan.part_size, combine([d for _, d in results]))
             if pre is not None and pre.digest != digest.digest:
                 raise IntegrityError(f"{path} changed while it was being uploaded to {key}")
@@ -223,17 +228,30 @@ class Transfer:
         except Exception as exc:
             log.warning("could not abort the multipart upload of %s: %s", mpu.key, exc)
 
-    async def _send_part(self, fd: int, plan: Plan, index: int, mpu: MultipartUpload, journal: Journal | None,
-                         writer: threading.Lock) -> tuple[PartInfo, bytes]:
-        offset, length = plan.part(index)
-        target = mpu.local_fd()
-        if target is not None and not (journal is not None and journal.resumed):  # a local file: copied directly
+    async def _copy_parts(self, fd: int, plan: Plan, target: int, journal: Journal | None, batch: int
+                          ) -> list[tuple[PartInfo, bytes]]:
+        """Copy the parts of ``plan`` from ``fd`` into the local file ``target`` in runs of parts, one per copy
+        slot of the ``batch``, as a download from a local store is copied (see ``_write``)."""
+        writer = threading.Lock()  # one run writes into the file at a time (see engine.sink)
+        runs = plan_download(plan.size, plan.part_size, self.config, batch=batch, longest=plan.size,
+                             streams=self._copy_slots)
+
+        async def run(index: int) -> list[tuple[PartInfo, bytes]]:
+            offset, length = runs.part(index)
             async with self._local_copies:
-                [digest] = await off_loop(copy_and_hash, fd, offset, length, target, writer, length)
+                digests = await off_loop(copy_and_hash, fd, offset, length, target, writer, plan.part_size)
+            first = offset // plan.part_size
             if journal is not None:
-                journal.record(index, token="", digest=digest.hex())
+                for i, digest in enumerate(digests, first):
+                    journal.record(i, token="", digest=digest.hex())
             self.progress.advance(length)
-            return PartInfo(index, length), digest
+            return [(PartInfo(i, plan.part(i)[1]), digest) for i, digest in enumerate(digests, first)]
+
+        return [part for parts in await gather_all(run(i) for i in range(runs.count)) for part in parts]
+
+    async def _send_part(self, fd: int, plan: Plan, index: int, mpu: MultipartUpload, journal: Journal | None
+                         ) -> tuple[PartInfo, bytes]:
+        offset, length = plan.part(index)
         async with self.pool.buffer(length) as buf:
             digest = await off_loop(read_and_hash, fd, offset, buf)
             done = journal.parts.get(index) if journal is not None and journal.resumed else None
@@ -292,7 +310,11 @@ class Transfer:
             expected = FileDigest.from_metadata(meta.size, meta.metadata)
         if expected is not None and expected.size != meta.size:
             raise IntegrityError(f"{key}: size is {meta.size}, its record says {expected.size}")
-        plan = plan_download(meta.size, expected.chunk_size if expected else None, self.config, batch=batch)
+        if self.store.local_file(key) is None:
+            plan = plan_download(meta.size, expected.chunk_size if expected else None, self.config, batch=batch)
+        else:  # copied: a range per copy slot of the batch, as ranges of one file are copied one at a time
+            plan = plan_download(meta.size, expected.chunk_size if expected else None, self.config, batch=batch,
+                                 longest=meta.size, streams=self._copy_slots)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("download %s -> %s: %d bytes, %d part(s) of %d", self.store.uri(key), path, plan.size,
                       plan.count, plan.part_size)
@@ -367,8 +389,8 @@ class Transfer:
                          len(journal.parts), plan.count)
             else:
                 journal.start()
-        if journal is None or not journal.resumed:
-            os.ftruncate(fd, 0)
+        if (journal is None or not journal.resumed) and os.fstat(fd).st_size:
+            os.ftruncate(fd, 0)  # only a stale file: ext4 flushes a file cut to 0 bytes when it is closed
         return tmp, fd, journal
 
     async def _fetch_part(self, key: str, fd: int, writer: threading.Lock, plan: Plan, index: int, chunk: int,
