@@ -118,8 +118,10 @@ def test_dot_segments_and_nul_in_keys_are_refused_on_the_way_in(uri: str) -> Non
         parse_uri(uri)
 
 
-def test_no_space_left_names_the_file(tmp_path: Path) -> None:
-    """A download into a full filesystem (a 1 MiB tmpfs) fails naming the file, and leaves nothing."""
+@pytest.mark.parametrize("store", ["local", "memory"])
+def test_no_space_left_names_the_file(tmp_path: Path, store: str) -> None:
+    """A download into a full filesystem (a 1 MiB tmpfs) fails naming the file, and leaves nothing: copied from
+    a local store, or written whole from memory (an object of one part comes down in one read)."""
     tiny = tmp_path / "tiny"
     tiny.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tiny)], capture_output=True).returncode:
@@ -127,9 +129,15 @@ def test_no_space_left_names_the_file(tmp_path: Path) -> None:
     try:
         src = tmp_path / "big.bin"
         src.write_bytes(os.urandom(4 << 20))
-        fastckpt.upload(src, f"file://{tmp_path}/store/big.bin", config=small_config())
-        with pytest.raises(OSError) as info:
-            fastckpt.download(f"file://{tmp_path}/store/big.bin", tiny / "big.bin", config=small_config())
+        config = small_config(part_size=8 << 20)
+        if store == "local":
+            fastckpt.upload(src, f"file://{tmp_path}/store/big.bin", config=config)
+            with pytest.raises(OSError) as info:
+                fastckpt.download(f"file://{tmp_path}/store/big.bin", tiny / "big.bin", config=config)
+        else:  # listed, so its size is known: one read, then written whole
+            fastckpt.upload(src, f"memory://nospace-{tmp_path.name}/d/big.bin", config=config)
+            with pytest.raises(OSError) as info:
+                fastckpt.download(f"memory://nospace-{tmp_path.name}/d", tiny, config=config)
         assert info.value.errno == errno.ENOSPC and str(tiny / "big.bin") in str(info.value)
         assert list(tiny.iterdir()) == []
     finally:

@@ -55,19 +55,20 @@ def io_executor() -> ThreadPoolExecutor:
     return _IO
 
 
-async def off_loop(fn: Callable[..., T], *args: object) -> T:
+async def off_loop(fn: Callable[..., T], *args: object, undo: Callable[[T], object] | None = None) -> T:
     """Run blocking ``fn(*args)`` (file I/O, hashing) on the I/O threads, not the event loop.
 
     A cancelled caller still waits for ``fn`` to end before the cancellation goes on: a thread cannot be
     stopped, and the file descriptors and buffers it uses are closed or released by the caller's clean-up.
+    What ``fn`` returned to a caller cancelled meanwhile goes to ``undo`` (e.g. a file descriptor to close).
     """
     job = asyncio.get_running_loop().run_in_executor(_IO, functools.partial(fn, *args))
     try:
         return await asyncio.shield(job)
     except asyncio.CancelledError:
         await asyncio.wait([job])
-        if not job.cancelled():
-            job.exception()  # seen: the cancellation is what propagates
+        if not job.cancelled() and job.exception() is None and undo is not None:
+            undo(job.result())
         raise
 
 

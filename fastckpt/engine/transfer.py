@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import os
@@ -319,55 +320,82 @@ class Transfer:
             log.debug("download %s -> %s: %d bytes, %d part(s) of %d", self.store.uri(key), path, plan.size,
                       plan.count, plan.part_size)
         self.progress.expect(meta.size)
-        if os.path.isdir(path):
-            raise IsADirectoryError(f"destination {path} is a directory")
-        parent = os.path.dirname(os.path.abspath(path))
-        if parent not in self._dirs:  # many files share a directory: made (or found) once
-            os.makedirs(parent, exist_ok=True)
-            self._dirs.add(parent)
         chunk = expected.chunk_size if expected else plan.part_size
-        tmp, fd, journal = self._partial(key, path, meta, expected, plan, chunk, data is None)
+        if data is not None:  # in memory already: written, checked and put in place by one I/O thread
+            try:
+                digests = await off_loop(self._write_whole, key, path, meta, expected, plan, chunk, data)
+            except OSError as exc:
+                if (named := _named(exc, key, path)) is exc:
+                    raise
+                raise named from exc
+            self.progress.advance(len(data))
+            return FileResult(key, path, FileDigest(meta.size, chunk, combine(digests)))
+        # creating a file waits on its directory, as long as others are made there: off the event loop
+        tmp, fd, journal = await off_loop(self._partial, key, path, meta, expected, plan, chunk, undo=_close_partial)
         try:
             try:
-                if data is not None:
-                    digests = await off_loop(_hash_and_write, fd, data, chunk)
-                    self.progress.advance(len(data))
-                else:
-                    writer = threading.Lock()  # one pwrite at a time per file (see engine.sink)
-                    parts = await gather_all(self._fetch_part(key, fd, writer, plan, i, chunk, journal)
-                                             for i in range(plan.count))
-                    digests = [d for part in parts for d in part]
+                writer = threading.Lock()  # one pwrite at a time per file (see engine.sink)
+                parts = await gather_all(self._fetch_part(key, fd, writer, plan, i, chunk, journal)
+                                         for i in range(plan.count))
+                digests = [d for part in parts for d in part]
                 if expected is not None:
                     expected.check(digests, f"{key} (downloaded to {path})")
                 if self.config.fsync:
                     await off_loop(os.fsync, fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            await off_loop(os.replace, tmp, path)
         except BaseException as exc:
             if journal is not None and isinstance(exc, asyncio.CancelledError) and not failed.is_set():
                 journal.close()  # interrupted: kept, the same download run again continues from the journal
                 raise
             if journal is not None:
                 journal.remove()
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            if isinstance(exc, OSError) and exc.errno and not exc.filename and not isinstance(exc, StoreError):
-                raise OSError(exc.errno, f"{exc.strerror} (downloading {key})", path) from exc  # e.g. ENOSPC
-            raise
+            if (named := _named(exc, key, path)) is exc:
+                raise
+            raise named from exc
         if journal is not None:
             journal.remove()
         return FileResult(key, path, FileDigest(meta.size, chunk, combine(digests)))
 
+    def _write_whole(self, key: str, path: str, meta: ObjectMeta, expected: FileDigest | None, plan: Plan,
+                     chunk: int, data: memoryview) -> list[bytes]:
+        """On an I/O thread: ``data``, all of object ``key``, hashed and written to a partial file, checked against
+        ``expected``, then renamed to ``path``; its chunk digests."""
+        tmp, fd, _ = self._partial(key, path, meta, expected, plan, chunk, resumable=False)
+        try:
+            try:
+                digests = hash_chunks(data, chunk)
+                if expected is not None:
+                    expected.check(digests, f"{key} (downloaded to {path})")
+                write_at(fd, 0, data)
+                if self.config.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return digests
+
     def _partial(self, key: str, path: str, meta: ObjectMeta, expected: FileDigest | None, plan: Plan,
                  chunk: int, resumable: bool = True) -> tuple[str, int, Journal | None]:
-        """The hidden partial file a download of ``key`` to ``path`` writes (open, locked) and, for a
-        multipart download with ``resume`` on, its journal (loaded when a killed run left one).
+        """On an I/O thread: the hidden partial file a download of ``key`` to ``path`` writes (open, locked;
+        its directory made) and, for a multipart download with ``resume`` on, its journal (loaded when a killed
+        run left one).
 
         The partial file's name is fixed, so a rerun finds it (a concurrent download to the same path,
         holding its lock, makes this one use a name of its own, without resume)."""
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"destination {path} is a directory")
+        parent = os.path.dirname(os.path.abspath(path))
+        if parent not in self._dirs:  # many files share a directory: made (or found) once
+            os.makedirs(parent, exist_ok=True)
+            self._dirs.add(parent)
         tmp, journal_path = resumable_paths(path)
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -464,8 +492,18 @@ class Transfer:
         return found
 
 
-def _hash_and_write(fd: int, data: memoryview, chunk: int) -> list[bytes]:
-    """Chunk digests of ``data``, which is then written at the start of ``fd``."""
-    digests = hash_chunks(data, chunk)
-    write_at(fd, 0, data)
-    return digests
+def _close_partial(opened: tuple[str, int, Journal | None]) -> None:
+    """Close what ``Transfer._partial`` opened for a download cancelled meanwhile (the file stays, as an
+    interrupted download's does)."""
+    _, fd, journal = opened
+    os.close(fd)
+    if journal is not None:
+        journal.close()
+
+
+def _named(exc: BaseException, key: str, path: str) -> BaseException:
+    """A file-system error that names no file (ENOSPC from a write, say) as one naming the download it stopped;
+    any other error as it is."""
+    if isinstance(exc, OSError) and exc.errno and not exc.filename and not isinstance(exc, StoreError):
+        return OSError(exc.errno, f"{exc.strerror} (downloading {key})", path)
+    return exc

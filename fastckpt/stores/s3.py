@@ -36,8 +36,6 @@ import aiohttp
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 from botocore import UNSIGNED
-from botocore.auth import S3SigV4Auth
-from botocore.awsrequest import AWSRequest
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
@@ -79,6 +77,7 @@ from .base import (
 )
 from .classify import ErrorTable, classify, unreachable
 from .conditional import IfAbsentGuard
+from .sigv4 import UNSIGNED_PAYLOAD, S3Signer
 
 log = logging.getLogger("fastckpt")
 MiB = 1 << 20
@@ -238,7 +237,7 @@ class S3Store(ReceivingStore):
         self.page_size = page_size
         self._client: Any = None
         self._http: HttpClient | None = None
-        self._signing: tuple[str, str, Any, str] | None = None  # (origin, bucket's path, credentials, region)
+        self._signing: tuple[str, Any, S3Signer] | None = None  # (bucket's path, credentials, signer)
         self._stack: contextlib.AsyncExitStack | None = None
         self._client_lock = asyncio.Lock()
         self._connected = False
@@ -312,9 +311,10 @@ class S3Store(ReceivingStore):
         credentials = None if self.options.anonymous else await session.get_credentials()
         if credentials is None and not self.options.anonymous:
             raise self._translate(NoCredentialsError(), "")
-        self._signing = (origin, parts.path[:-len(probe)], credentials, client.meta.region_name)
         self._http = HttpClient(origin, limit=self.max_pool_connections,
                                 connect_timeout=self.options.connect_timeout)
+        signer = S3Signer(self._http.host_header, client.meta.region_name)
+        self._signing = (parts.path[:-len(probe)], credentials, signer)
 
     async def _bucket_region(self, client: Any) -> str | None:
         """The bucket's region as HeadBucket reports it (``x-amz-bucket-region``); None when unknown (no such
@@ -330,20 +330,20 @@ class S3Store(ReceivingStore):
 
     async def send(self, method: str, key: str, query: dict[str, str], headers: dict[str, str], *,
                    body: Buffer | None = None, into: Receiver | None = None, if_absent: bool = False) -> Response:
-        """A request on the data path, signed with botocore's SigV4 signer; errors as fastckpt errors (a 2xx or
-        416 answer is returned, a 206 or 200 with its body received by ``into``)."""
-        client = await self.client()
+        """A request on the data path, signed with SigV4 as botocore would (``stores.sigv4``); errors as fastckpt
+        errors (a 2xx or 416 answer is returned, a 206 or 200 with its body received by ``into``)."""
+        await self.client()
         assert self._signing is not None and self._http is not None
-        origin, path, credentials, region = self._signing
+        path, credentials, signer = self._signing
         target = path + quote(key, safe="/~")
         if query:
             target += "?" + "&".join(f"{k}={quote(v, safe='-_.~')}" for k, v in query.items())
-        request = AWSRequest(method=method, url=origin + target, headers=headers, data=body)
-        request.context["client_config"] = client.meta.config  # payload signing as the SDK would
         try:
             if credentials is not None:
-                S3SigV4Auth(await credentials.get_frozen_credentials(), "s3", region).add_auth(request)
-            resp = await self._http.request(method, target, dict(request.headers.items()), body=body, into=into)
+                payload = UNSIGNED_PAYLOAD if self.options.payload_signing is False else hashlib.sha256(
+                    body if body is not None else b"").hexdigest()  # None: the SDK's default, signed
+                signer.sign(method, target, headers, await credentials.get_frozen_credentials(), payload)
+            resp = await self._http.request(method, target, headers, body=body, into=into)
         except (*_CLIENT_ERRORS, ProtocolError) as exc:
             raise self._translate(exc, key, if_absent=if_absent) from exc
         self._connected = True
