@@ -76,38 +76,34 @@ class Transfer:
                 raise FileNotFoundError(f"source file {path} does not exist") from None
         self.progress.expect(sum(sizes))
         failed = asyncio.Event()  # set when one file failed: the others are then cancelled, not interrupted
-        return await gather_all((self._upload_counted(p, k, if_absent, failed, sum(sizes)) for p, k in pairs), failed)
+        return await gather_all((self._upload_counted(p, k, if_absent, failed, size, sum(sizes))
+                                 for (p, k), size in zip(pairs, sizes, strict=True)), failed)
 
     async def upload_file(self, path: str, key: str, *, if_absent: bool = False) -> FileResult:
         """Upload one file (progress total grows by its size)."""
         return (await self.upload_files([(path, key)], if_absent=if_absent))[0]
 
-    async def _upload_counted(self, path: str, key: str, if_absent: bool, failed: asyncio.Event, batch: int
-                              ) -> FileResult:
+    async def _upload_counted(self, path: str, key: str, if_absent: bool, failed: asyncio.Event, size: int,
+                              batch: int) -> FileResult:
         async with self._files:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise FileNotFoundError(f"source file {path} does not exist") from None
-            except IsADirectoryError:
-                raise IsADirectoryError(f"source {path} is a directory; upload it as a directory") from None
-            try:
-                plan = plan_upload(os.fstat(fd).st_size, self.config, self.store)
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("upload %s -> %s: %d bytes, %d part(s) of %d", path, self.store.uri(key), plan.size,
-                              plan.count, plan.part_size)
-                if plan.multipart:
+            plan = plan_upload(size, self.config, self.store)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("upload %s -> %s: %d bytes, %d part(s) of %d", path, self.store.uri(key), plan.size,
+                          plan.count, plan.part_size)
+            if not plan.multipart:
+                digest = await self._upload_single(path, plan, key, if_absent)
+            else:
+                fd = await off_loop(_open_source, path, undo=os.close)
+                try:
+                    plan = plan_upload(os.fstat(fd).st_size, self.config, self.store)
                     digest = await self._upload_multipart(fd, plan, key, path, if_absent, failed, batch)
-                else:
-                    digest = await self._upload_single(fd, plan, key, if_absent)
-            finally:
-                os.close(fd)
+                finally:
+                    os.close(fd)
         return FileResult(key, path, digest)
 
-    async def _upload_single(self, fd: int, plan: Plan, key: str, if_absent: bool) -> FileDigest:
+    async def _upload_single(self, path: str, plan: Plan, key: str, if_absent: bool) -> FileDigest:
         async with self.pool.buffer(plan.size) as buf:
-            await off_loop(read_exact, fd, 0, buf)
-            digests = await off_loop(hash_chunks, buf, plan.part_size) if plan.size else []
+            digests = await off_loop(_read_source, path, buf, plan.part_size)  # one I/O thread: open, read, hash
             digest = FileDigest(plan.size, plan.part_size, combine(digests))
             meta = digest.metadata() if self.config.digest_metadata else None
             try:
@@ -499,6 +495,28 @@ def _close_partial(opened: tuple[str, int, Journal | None]) -> None:
     os.close(fd)
     if journal is not None:
         journal.close()
+
+
+def _open_source(path: str) -> int:
+    """``path`` opened for reading; errors that name it as the source of an upload."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"source file {path} does not exist") from None
+    except IsADirectoryError:
+        raise IsADirectoryError(f"source {path} is a directory; upload it as a directory") from None
+
+
+def _read_source(path: str, buf: memoryview, chunk: int) -> list[bytes]:
+    """On an I/O thread: all of file ``path`` read into ``buf`` (its size when listed) and its chunk digests."""
+    fd = _open_source(path)
+    try:
+        if os.fstat(fd).st_size != len(buf):
+            raise IntegrityError(f"{path} changed while it was being uploaded")
+        read_exact(fd, 0, buf)
+    finally:
+        os.close(fd)
+    return hash_chunks(buf, chunk) if len(buf) else []
 
 
 def _named(exc: BaseException, key: str, path: str) -> BaseException:
