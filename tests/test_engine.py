@@ -298,23 +298,23 @@ def test_copy_and_hash_copies_and_hashes_what_it_wrote(tmp_path, monkeypatch, in
     assert digests == hash_chunks(data[offset:], SLICE + 7)
 
 
-def test_download_ranges() -> None:
-    """Download ranges stay chunk-aligned and share the batch among the requests in flight (HTTP: at most 128
-    MiB each) or, for a local copy, among the copy slots; a file that fits in one range is one request, not a
-    range cut at a chunk boundary and its short tail."""
-    from fastckpt.engine.plan import plan_download
+def test_download_and_copy_ranges() -> None:
+    """Download ranges stay chunk-aligned and share the batch among the requests in flight (at most 128 MiB
+    each; a file of one range has no journal to resume from, so even one that would fit is cut in two). Local
+    copies share it among the copy slots: a file that fits in a share is one range, a larger one equal shares."""
+    from fastckpt.engine.plan import plan_copy, plan_download
 
     mib = 1 << 20
     config = TransferConfig(part_size=8 * mib, max_in_flight=8)
     shape = lambda plan: (plan.count, plan.part_size)  # noqa: E731
     assert shape(plan_download(1024 * mib, 32 * mib, config)) == (8, 128 * mib)
-    assert shape(plan_download(100 * mib, 32 * mib, config, batch=900 * mib)) == (1, 128 * mib)
-    assert shape(plan_download(288 * mib, 32 * mib, config, batch=900 * mib)) == (3, 96 * mib)
-    assert shape(plan_download(1024 * mib, 32 * mib, config, longest=1024 * mib, streams=2)) == (2, 512 * mib)
-    assert shape(plan_download(207 * mib, 32 * mib, config, batch=1024 * mib, longest=207 * mib, streams=2)) == (
-        1, 224 * mib)
+    assert shape(plan_download(100 * mib, 32 * mib, config, batch=900 * mib)) == (2, 96 * mib)
     assert shape(plan_download(5 * mib, None, config)) == (1, 8 * mib)
     assert shape(plan_download(0, None, config)) == (0, 8 * mib)
+    assert shape(plan_copy(207 * mib, 32 * mib, config, batch=1024 * mib, slots=2)) == (1, 224 * mib)
+    assert shape(plan_copy(1024 * mib, 32 * mib, config, batch=1024 * mib, slots=2)) == (2, 512 * mib)
+    assert shape(plan_copy(1000 * mib, 32 * mib, config, batch=0, slots=3)) == (3, 352 * mib)
+    assert shape(plan_copy(24 * mib, 5 * mib, TransferConfig(range_size=1), batch=0, slots=2)) == (5, 5 * mib)
 
 
 async def test_local_store_round_trip_uses_no_pooled_buffer(tmp_path) -> None:

@@ -43,14 +43,22 @@ def plan_upload(size: int, config: TransferConfig, store: Store) -> Plan:
 
 
 def plan_download(size: int, chunk_size: int | None, config: TransferConfig, *, batch: int = 0,
-                  longest: int = MAX_RANGE, streams: int = 0) -> Plan:
-    """Read requests aligned to the recorded chunk size: ``config.range_size``, else about a ``streams``-th (default
-    ``max_in_flight``) of the file, or of the ``batch`` of files it comes down with, from ``part_size`` on; at most
-    ``longest`` (received through a small ring, a long range costs no more memory, and a server less CPU per byte;
-    a reader that holds whole parts passes ``part_size``)."""
+                  longest: int = MAX_RANGE) -> Plan:
+    """Read requests aligned to the recorded chunk size: ``config.range_size``, else about a ``max_in_flight``-th
+    of the file, or of the ``batch`` of files it comes down with, from ``part_size`` on; at most ``longest``
+    (received through a small ring, a long range costs no more memory, and a server less CPU per byte; a reader
+    that holds whole parts passes ``part_size``). A killed download resumes range by range."""
     chunk = chunk_size or config.part_size
-    target = config.range_size or max(config.part_size, max(size, batch) // max(1, streams or config.max_in_flight))
+    target = config.range_size or max(config.part_size, max(size, batch) // max(1, config.max_in_flight))
     target = min(longest, target)
-    if size <= target:  # one request, not one cut at a chunk boundary and its tail
-        return Plan(size, chunk * max(1, -(-size // chunk)), True)
     return Plan(size, chunk * max(1, target // chunk), True)
+
+
+def plan_copy(size: int, chunk_size: int | None, config: TransferConfig, *, batch: int, slots: int) -> Plan:
+    """Ranges of a file copied between local files, ``slots`` at a time: the whole file when it fits in a slot's
+    share of the ``batch``, else equal chunk-aligned shares (``config.range_size`` when set). Ranges of one file
+    are written one at a time, so two slots on two files copy twice as fast as on one."""
+    chunk = chunk_size or config.part_size
+    share = config.range_size or max(config.part_size, -(-max(size, batch) // max(1, slots)))
+    count = max(1, -(-size // share))
+    return Plan(size, chunk * max(1, -(-size // (count * chunk))), True)

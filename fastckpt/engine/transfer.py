@@ -18,7 +18,7 @@ from ..stores.local import partial_path
 from ..stores.retry import retrying
 from .io import off_loop, start_io_threads
 from .journal import Journal, resumable_paths, state_dir
-from .plan import Plan, plan_download, plan_upload
+from .plan import Plan, plan_copy, plan_download, plan_upload
 from .pool import BufferPool
 from .progress import Progress, ProgressCallback
 from .sink import RING, RingSink, copy_and_hash, hash_file_range
@@ -230,8 +230,7 @@ class Transfer:
         """Copy the parts of ``plan`` from ``fd`` into the local file ``target`` in runs of parts, one per copy
         slot of the ``batch``, as a download from a local store is copied (see ``_write``)."""
         writer = threading.Lock()  # one run writes into the file at a time (see engine.sink)
-        runs = plan_download(plan.size, plan.part_size, self.config, batch=batch, longest=plan.size,
-                             streams=self._copy_slots)
+        runs = plan_copy(plan.size, plan.part_size, self.config, batch=batch, slots=self._copy_slots)
 
         async def run(index: int) -> list[tuple[PartInfo, bytes]]:
             offset, length = runs.part(index)
@@ -307,11 +306,11 @@ class Transfer:
             expected = FileDigest.from_metadata(meta.size, meta.metadata)
         if expected is not None and expected.size != meta.size:
             raise IntegrityError(f"{key}: size is {meta.size}, its record says {expected.size}")
+        chunk = expected.chunk_size if expected else None
         if self.store.local_file(key) is None:
-            plan = plan_download(meta.size, expected.chunk_size if expected else None, self.config, batch=batch)
-        else:  # copied: a range per copy slot of the batch, as ranges of one file are copied one at a time
-            plan = plan_download(meta.size, expected.chunk_size if expected else None, self.config, batch=batch,
-                                 longest=meta.size, streams=self._copy_slots)
+            plan = plan_download(meta.size, chunk, self.config, batch=batch)
+        else:
+            plan = plan_copy(meta.size, chunk, self.config, batch=batch, slots=self._copy_slots)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("download %s -> %s: %d bytes, %d part(s) of %d", self.store.uri(key), path, plan.size,
                       plan.count, plan.part_size)
