@@ -306,11 +306,11 @@ class Transfer:
             expected = FileDigest.from_metadata(meta.size, meta.metadata)
         if expected is not None and expected.size != meta.size:
             raise IntegrityError(f"{key}: size is {meta.size}, its record says {expected.size}")
-        chunk = expected.chunk_size if expected else None
+        recorded = expected.chunk_size if expected else None
         if self.store.local_file(key) is None:
-            plan = plan_download(meta.size, chunk, self.config, batch=batch)
+            plan = plan_download(meta.size, recorded, self.config, batch=batch)
         else:
-            plan = plan_copy(meta.size, chunk, self.config, batch=batch, slots=self._copy_slots)
+            plan = plan_copy(meta.size, recorded, self.config, batch=batch, slots=self._copy_slots)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("download %s -> %s: %d bytes, %d part(s) of %d", self.store.uri(key), path, plan.size,
                       plan.count, plan.part_size)
