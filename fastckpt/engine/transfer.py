@@ -315,7 +315,7 @@ class Transfer:
             log.debug("download %s -> %s: %d bytes, %d part(s) of %d", self.store.uri(key), path, plan.size,
                       plan.count, plan.part_size)
         self.progress.expect(meta.size)
-        chunk = expected.chunk_size if expected else plan.part_size
+        chunk = recorded or plan.part_size
         if data is not None:  # in memory already: written, checked and put in place by one I/O thread
             try:
                 digests = await off_loop(self._write_whole, key, path, meta, expected, plan, chunk, data)
