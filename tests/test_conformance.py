@@ -53,7 +53,7 @@ async def test_directory_roundtrip_nested_unicode(store, tmp_path) -> None:
     s, uri = store
     src = tmp_path / "ckpt"
     files = {"model-00001-of-00002.safetensors": 3000, "optim/rank_03.pt": 70000,
-             "deep/a/b/c/état-😀.json": 10, "space name.txt": 5}
+             "deep/a/b/c/état-😀.json": 10, "space name.txt": 5, "plus+pct%41&eq=~.bin": 6}
     for rel, size in files.items():
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_bytes(os.urandom(size))

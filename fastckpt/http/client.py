@@ -1,7 +1,7 @@
-"""Keep-alive connections to one origin, for the two requests that move data (ranged GET, part PUT).
+"""Keep-alive connections to one origin, for the requests that move data (ranged GET, part PUT) and, on S3,
+the listing and multipart control requests around them.
 
 Backends build and sign the request (each with its own SDK's credentials); this module only carries it.
-Everything else (listing, control requests, errors with bodies that need the SDK) stays on the SDKs.
 """
 
 from __future__ import annotations

@@ -6,11 +6,14 @@ and the environment (the AWS variables botocore reads, and the ``FASTCKPT_S3_*``
 Configuration section). Credentials come from botocore's chain. A custom endpoint is path-style.
 
 Create-if-absent sends ``If-None-Match: *``; ``stores.conditional`` makes it safe on servers that
-ignore it. Ranged GETs, HEADs, part uploads and puts go through the shared HTTP data path
-(``fastckpt.http``), signed by botocore's SigV4 signer for the bucket's region: bodies are sent from the
-caller's buffer and received into the caller's receiver. They carry no SDK checksum (fastckpt's XXH3
-digests check every byte end to end); everything else goes through aiobotocore. botocore's own retries
-are off (``stores.retry`` retries); an endpoint never reached raises StoreError at once.
+ignore it. Ranged GETs, HEADs, puts, part uploads, ListObjectsV2 and the multipart upload's create, complete
+and abort go through the shared HTTP data path (``fastckpt.http``), signed with SigV4 (``stores.sigv4``)
+for the bucket's region: bodies are sent from the caller's buffer and received into the caller's receiver.
+They carry no SDK checksum (fastckpt's XXH3 digests check every byte end to end). On a path-style endpoint
+of the user's own the data path is addressed without botocore's client, so a restore never builds one
+(~0.2 CPU-s); on AWS botocore's endpoint rules place the bucket. The rest (deletes, ListParts, listing
+uploads, metadata a header cannot carry) goes through aiobotocore, whose own retries are off
+(``stores.retry`` retries); an endpoint never reached raises StoreError at once.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ import posixpath
 import re
 import secrets
 import socket
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
-from typing import Any, ClassVar
-from urllib.parse import quote, urlsplit
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import quote, unquote_plus, urlsplit
+from xml.etree import ElementTree
+from xml.sax.saxutils import escape
 
 import aiohttp
 from aiobotocore.config import AioConfig
@@ -80,12 +85,14 @@ from .conditional import IfAbsentGuard
 from .sigv4 import UNSIGNED_PAYLOAD, S3Signer
 
 log = logging.getLogger("fastckpt")
+T = TypeVar("T")
 MiB = 1 << 20
 DELETE_BATCH = 1000
 """Keys per DeleteObjects request (the S3 maximum)."""
 POOL_HEADROOM = 16
 """Connections beyond ``max_in_flight`` for heads, lists, completes and aborts."""
 
+_XMLNS = "http://s3.amazonaws.com/doc/2006-03-01/"
 ERRORS = ErrorTable(
     "s3",
     bucket_missing=frozenset({"NoSuchBucket"}),
@@ -145,9 +152,34 @@ def _meta_of(key: str, headers: Mapping[str, str], size: int) -> ObjectMeta:
     return ObjectMeta(key, size, mtime, headers.get("etag"), metadata)
 
 
+def _local(tag: str) -> str:
+    """An XML element's name without its namespace."""
+    return tag.rpartition("}")[2]
+
+
+def _fields(element: ElementTree.Element) -> dict[str, str]:
+    """The text of each child of ``element``, by name."""
+    return {_local(child.tag): child.text or "" for child in element}
+
+
+def _listed(key: str, fields: dict[str, str]) -> ObjectMeta:
+    """``ObjectMeta`` of one ``Contents`` entry of a listing."""
+    modified = fields.get("LastModified")
+    return ObjectMeta(key, int(fields.get("Size") or 0), _timestamp(modified).timestamp() if modified else 0.0,
+                      fields.get("ETag") or None)
+
 def _plain_header(text: str) -> bool:
     """Whether ``text`` goes into an HTTP header as is (printable ASCII); other metadata goes through the SDK."""
     return text.isascii() and text.isprintable()
+
+
+def _metadata_headers(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    """``x-amz-meta-*`` headers for ``metadata``; None when a name or value cannot go into a header as is
+    (printable ASCII only: botocore encodes the rest)."""
+    items = (metadata or {}).items()
+    if not all(_plain_header(k) and _plain_header(v) for k, v in items):
+        return None
+    return {f"x-amz-meta-{k}": v for k, v in items}
 
 
 def resolve_endpoint(options: Mapping[str, str], environ: Mapping[str, str] = os.environ) -> str | None:
@@ -191,12 +223,16 @@ class S3Upload(MultipartUpload):
         """Assemble the parts; ``metadata`` is ignored (S3 takes it at creation only)."""
         if self._finished:
             raise StoreError(f"multipart upload of {self._store.where(self.key)} is no longer active")
-        listing = [{"PartNumber": p.index + 1, "ETag": p.token} for p in sorted(parts, key=lambda p: p.index)]
-        condition = await self._store.if_absent_params(self.key) if self._if_absent else {}
+        listing = "".join(f"<Part><PartNumber>{p.index + 1}</PartNumber><ETag>{escape(p.token)}</ETag></Part>"
+                          for p in sorted(parts, key=lambda p: p.index))
+        body = f'<CompleteMultipartUpload xmlns="{_XMLNS}">{listing}</CompleteMultipartUpload>'.encode()
+        headers = await self._store.if_absent_headers(self.key) if self._if_absent else {}
         retry, self._complete_sent = self._complete_sent, True
         try:
-            await self._store.call("complete_multipart_upload", self.key, if_absent=self._if_absent, Key=self.key,
-                                   UploadId=self.upload_id, MultipartUpload={"Parts": listing}, **condition)
+            resp = await self._store.send("POST", self.key, {"uploadId": self.upload_id}, headers, body=body,
+                                          if_absent=self._if_absent)
+            if b"<Error>" in resp.body:  # S3 reports a complete that failed after it began in a 200 answer
+                raise self._store.answer_error(resp, "POST", self.key, self._if_absent)
         except _NoSuchUpload:
             # A retried complete whose first attempt succeeded but lost its response.
             if not retry or not await self._store.exists_with_size(self.key, sum(p.size for p in parts)):
@@ -206,8 +242,7 @@ class S3Upload(MultipartUpload):
     async def abort(self) -> None:
         if self._finished:
             return
-        with contextlib.suppress(_NoSuchUpload):
-            await self._store.call("abort_multipart_upload", self.key, Key=self.key, UploadId=self.upload_id)
+        await self._store.abort_upload(self.key, self.upload_id)
         self._finished = True
 
 
@@ -236,10 +271,11 @@ class S3Store(ReceivingStore):
         self.max_pool_connections = max_pool_connections
         self.page_size = page_size
         self._client: Any = None
+        self._aio_session: AioSession | None = None
+        self._clients = contextlib.AsyncExitStack()
         self._http: HttpClient | None = None
         self._signing: tuple[str, Any, S3Signer] | None = None  # (bucket's path, credentials, signer)
-        self._stack: contextlib.AsyncExitStack | None = None
-        self._client_lock = asyncio.Lock()
+        self._client_lock, self._path_lock = asyncio.Lock(), asyncio.Lock()
         self._connected = False
         self._bucket_ok = False
 
@@ -250,14 +286,27 @@ class S3Store(ReceivingStore):
     # ----------------------------------------------------------------------------- client
 
     async def client(self) -> Any:
-        """The store's aiobotocore S3 client (created on first use, in the running loop)."""
+        """The store's aiobotocore S3 client, for the requests off the data path (created on first use, in the
+        running loop)."""
         if self._client is None:
             async with self._client_lock:
                 if self._client is None:
-                    self._client = await self._create_client()
+                    self._client = await self._translating(lambda: self._open_client(self._configured_region()))
+                    self._client.meta.events.register("before-sign.s3.DeleteObjects", _content_md5)
         return self._client
 
-    async def _create_client(self) -> Any:
+    def _session(self) -> AioSession:
+        if self._aio_session is None:
+            self._aio_session = AioSession(profile=self.options.profile)
+            # listings of many uploads: ISO 8601 times parsed by datetime, not dateutil
+            self._aio_session.get_component("response_parser_factory").set_parser_defaults(
+                timestamp_parser=_timestamp)
+        return self._aio_session
+
+    def _configured_region(self) -> str:
+        return self.options.region or self._session().get_config_variable("region") or "us-east-1"
+
+    async def _open_client(self, region: str) -> Any:
         s3_config: dict[str, Any] = {"addressing_style": self.addressing_style}
         opts = self.options
         if opts.payload_signing is not None:
@@ -273,33 +322,53 @@ class S3Store(ReceivingStore):
             signature_version=UNSIGNED if opts.anonymous else None,
             user_agent_extra="fastckpt",
         )
-        stack = contextlib.AsyncExitStack()
+        return await self._clients.enter_async_context(self._session().create_client(
+            "s3", region_name=region, endpoint_url=self.endpoint_url, use_ssl=opts.use_ssl, config=config))
+
+    async def _data_path(self) -> tuple[str, Any, S3Signer]:
+        """(the bucket's path, the credentials, the signer) of the data path, started on first use.
+
+        Path-style addressing on an endpoint of the user's own is derived here, without botocore's client (whose
+        creation costs ~0.2 CPU-s, most of a small restore's client CPU). On AWS, botocore's endpoint rules place
+        the bucket: its client presigns a URL for it in the bucket's region.
+        """
+        if self._signing is None:
+            async with self._path_lock:
+                if self._signing is None:
+                    await self._translating(self._start_data_path)
+        return self._signing  # type: ignore[return-value]
+
+    async def _translating(self, start: Callable[[], Awaitable[T]]) -> T:
+        """``await start()``, a botocore failure raised as a fastckpt error."""
         try:
-            session = AioSession(profile=opts.profile)
-            # listings of many objects: ISO 8601 times parsed by datetime, not dateutil (5,000 keys: ~0.4 CPU-s)
-            session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=_timestamp)
-
-            async def open_client(region: str) -> Any:
-                return await stack.enter_async_context(session.create_client(
-                    "s3", region_name=region, endpoint_url=self.endpoint_url, use_ssl=opts.use_ssl, config=config))
-
-            client = await open_client(opts.region or session.get_config_variable("region") or "us-east-1")
-            client.meta.events.register("before-sign.s3.DeleteObjects", _content_md5)
-            region = await self._bucket_region(client)
-            # botocore follows a bucket to its region; the data path signs for it, at the address it has there
-            addressing = client if region in (None, client.meta.region_name) else await open_client(region)
-            await self._start_data_path(addressing, session)
-        except BaseException as exc:
-            await stack.aclose()
-            if isinstance(exc, _CLIENT_ERRORS):
-                raise self._translate(exc, "") from exc
+            return await start()
+        except StoreError:
             raise
-        self._stack = stack
-        return client
+        except _CLIENT_ERRORS as exc:
+            raise self._translate(exc, "") from exc
 
-    async def _start_data_path(self, client: Any, session: AioSession) -> None:
-        """The bucket's URL as ``client`` (in the bucket's region) addresses it, the credentials and the HTTP
-        client of the data path."""
+    async def _start_data_path(self) -> None:
+        opts = self.options
+        credentials = None if opts.anonymous else await self._session().get_credentials()
+        if credentials is None and not opts.anonymous:
+            raise NoCredentialsError()
+        own_endpoint = bool(self.endpoint_url) and self.addressing_style == "path"
+        if own_endpoint:
+            endpoint = urlsplit(self.endpoint_url)
+            origin, path = f"{endpoint.scheme}://{endpoint.netloc}", f"{endpoint.path.rstrip('/')}/{self.bucket}/"
+            region = self._configured_region()
+        else:
+            client = await self.client()
+            region = await self._bucket_region(client) or client.meta.region_name
+            addressing = client if region == client.meta.region_name else await self._open_client(region)
+            origin, path = await self._address(addressing)
+        http = HttpClient(origin, limit=self.max_pool_connections, connect_timeout=opts.connect_timeout)
+        self._http, self._signing = http, (path, credentials, S3Signer(http.host_header, region))
+        if own_endpoint:
+            await self._follow_bucket_region()
+
+    async def _address(self, client: Any) -> tuple[str, str]:
+        """The origin and the bucket's path as ``client`` (in the bucket's region) addresses it."""
         probe = "k"
         url = await client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": probe},
                                                   ExpiresIn=60)
@@ -307,18 +376,11 @@ class S3Store(ReceivingStore):
         if not parts.path.endswith("/" + probe):
             raise StoreError(f"botocore addressed s3://{self.bucket}/{probe} as {parts.path!r}; fastckpt needs an "
                              "update")
-        origin = f"{parts.scheme}://{parts.netloc}"
-        credentials = None if self.options.anonymous else await session.get_credentials()
-        if credentials is None and not self.options.anonymous:
-            raise self._translate(NoCredentialsError(), "")
-        self._http = HttpClient(origin, limit=self.max_pool_connections,
-                                connect_timeout=self.options.connect_timeout)
-        signer = S3Signer(self._http.host_header, client.meta.region_name)
-        self._signing = (parts.path[:-len(probe)], credentials, signer)
+        return f"{parts.scheme}://{parts.netloc}", parts.path[:-len(probe)]
 
     async def _bucket_region(self, client: Any) -> str | None:
-        """The bucket's region as HeadBucket reports it (``x-amz-bucket-region``); None when unknown (no such
-        header, a failure: the requests that follow report those)."""
+        """The bucket's region as botocore's HeadBucket reports it (``x-amz-bucket-region``); None when unknown
+        (no such header, a failure: the requests that follow report those)."""
         try:
             answer = await client.head_bucket(Bucket=self.bucket)
             self._bucket_ok = True
@@ -328,30 +390,49 @@ class S3Store(ReceivingStore):
             return None
         return answer.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
 
+    async def _follow_bucket_region(self) -> None:
+        """HeadBucket on the data path: requests are signed for the region it names (``x-amz-bucket-region``,
+        sent whatever the answer's status), as botocore follows a bucket to its region."""
+        assert self._signing is not None and self._http is not None
+        path, credentials, signer = self._signing
+        try:
+            resp = await self._sign_and_send("HEAD", path, {}, None, None)
+        except (*_CLIENT_ERRORS, ProtocolError):
+            return  # the requests that follow report it
+        self._bucket_ok = 200 <= resp.status < 300
+        region = resp.headers.get("x-amz-bucket-region")
+        if region and region != signer.region:
+            self._signing = (path, credentials, S3Signer(self._http.host_header, region))
+
     async def send(self, method: str, key: str, query: dict[str, str], headers: dict[str, str], *,
                    body: Buffer | None = None, into: Receiver | None = None, if_absent: bool = False) -> Response:
         """A request on the data path, signed with SigV4 as botocore would (``stores.sigv4``); errors as fastckpt
         errors (a 2xx or 416 answer is returned, a 206 or 200 with its body received by ``into``)."""
-        await self.client()
-        assert self._signing is not None and self._http is not None
-        path, credentials, signer = self._signing
+        path = (await self._data_path())[0]
         target = path + quote(key, safe="/~")
         if query:
-            target += "?" + "&".join(f"{k}={quote(v, safe='-_.~')}" for k, v in query.items())
+            target += "?" + "&".join(f"{k}={quote(v, safe='-_.~')}" if v else k for k, v in query.items())
         try:
-            if credentials is not None:
-                payload = UNSIGNED_PAYLOAD if self.options.payload_signing is False else hashlib.sha256(
-                    body if body is not None else b"").hexdigest()  # None: the SDK's default, signed
-                signer.sign(method, target, headers, await credentials.get_frozen_credentials(), payload)
-            resp = await self._http.request(method, target, headers, body=body, into=into)
+            resp = await self._sign_and_send(method, target, headers, body, into)
         except (*_CLIENT_ERRORS, ProtocolError) as exc:
             raise self._translate(exc, key, if_absent=if_absent) from exc
-        self._connected = True
         if not 200 <= resp.status < 300 and resp.status != 416:
-            raise self._answer_error(resp, method, key, if_absent)
+            raise self.answer_error(resp, method, key, if_absent)
         return resp
 
-    def _answer_error(self, resp: Response, method: str, key: str, if_absent: bool) -> StoreError:
+    async def _sign_and_send(self, method: str, target: str, headers: dict[str, str], body: Buffer | None,
+                             into: Receiver | None) -> Response:
+        assert self._signing is not None and self._http is not None
+        _, credentials, signer = self._signing
+        if credentials is not None:
+            payload = UNSIGNED_PAYLOAD if self.options.payload_signing is False else hashlib.sha256(
+                body if body is not None else b"").hexdigest()  # None: the SDK's default, signed
+            signer.sign(method, target, headers, await credentials.get_frozen_credentials(), payload)
+        resp = await self._http.request(method, target, headers, body=body, into=into)
+        self._connected = True
+        return resp
+
+    def answer_error(self, resp: Response, method: str, key: str, if_absent: bool) -> StoreError:
         """The fastckpt error for an S3 error answer (its XML Code and Message)."""
         def field(name: str) -> str:
             found = re.search(rf"<{name}>([^<]*)</{name}>".encode(), resp.body)
@@ -362,12 +443,12 @@ class S3Store(ReceivingStore):
                                            method), key, if_absent=if_absent)
 
     async def close(self) -> None:
-        stack, self._stack, self._client = self._stack, None, None
+        self._client = self._signing = None
         http, self._http = self._http, None
         if http is not None:
             await http.close()
-        if stack is not None:
-            await stack.aclose()
+        clients, self._clients = self._clients, contextlib.AsyncExitStack()
+        await clients.aclose()
 
     async def call(self, op: str, key: str, *, if_absent: bool = False, **params: Any) -> Any:
         """Run client operation ``op`` on this bucket; botocore errors become fastckpt errors."""
@@ -429,7 +510,7 @@ class S3Store(ReceivingStore):
         """The error for a 404 without a body (HEAD): names the bucket when it is the bucket that is gone."""
         if not self._bucket_ok:
             try:
-                await self.call("head_bucket", "")
+                await self.send("HEAD", "", {}, {})
                 self._bucket_ok = True
             except ObjectNotFoundError as exc:
                 return BucketNotFoundError(f"bucket {self.bucket!r} does not exist at endpoint {self.endpoint}",
@@ -480,40 +561,51 @@ class S3Store(ReceivingStore):
                          f"(answered {resp.status} {resp.headers.get('content-range', '')})")
 
     async def list_page(self, prefix: str, delimiter: str | None = None, token: str | None = None) -> ListPage:
-        """One ListObjectsV2 request."""
-        params: dict[str, Any] = {"Prefix": prefix, "MaxKeys": self.page_size}
+        """One ListObjectsV2 request on the data path; keys travel URL-encoded (``encoding-type=url``, as botocore
+        asks for them: XML 1.0 cannot carry every character a key may hold)."""
+        query = {"list-type": "2", "prefix": prefix, "max-keys": str(self.page_size), "encoding-type": "url"}
         if delimiter:
-            params["Delimiter"] = delimiter
+            query["delimiter"] = delimiter
         if token:
-            params["ContinuationToken"] = token
-        page = await self.call("list_objects_v2", prefix, **params)
-        return ListPage([self._meta(o) for o in page.get("Contents", [])],
-                        [p["Prefix"] for p in page.get("CommonPrefixes", [])],
-                        page.get("NextContinuationToken") if page.get("IsTruncated") else None)
-
-    @staticmethod
-    def _meta(obj: dict[str, Any]) -> ObjectMeta:
-        mtime = obj["LastModified"].timestamp() if obj.get("LastModified") else 0.0
-        return ObjectMeta(obj["Key"], int(obj.get("Size", 0)), mtime, obj.get("ETag"))
+            query["continuation-token"] = token
+        resp = await self.send("GET", "", query, {})
+        contents: list[dict[str, str]] = []
+        prefixes: list[str] = []
+        fields: dict[str, str] = {}
+        try:
+            for element in ElementTree.fromstring(resp.body):
+                tag = _local(element.tag)
+                if tag == "Contents":
+                    contents.append(_fields(element))
+                elif tag == "CommonPrefixes":
+                    prefixes.append(_fields(element)["Prefix"])
+                else:
+                    fields[tag] = element.text or ""
+            # decoded only where the answer says it is encoded, as botocore does: some servers ignore the request
+            decode = unquote_plus if fields.get("EncodingType") == "url" else str
+            objects = [_listed(decode(f["Key"]), f) for f in contents]
+        except (ElementTree.ParseError, KeyError, ValueError) as exc:
+            raise StoreError(f"s3://{self.bucket}/{prefix}: unreadable listing from {self.endpoint} ({exc!r})",
+                             key=prefix, backend="s3") from exc
+        token = fields.get("NextContinuationToken") if fields.get("IsTruncated") == "true" else None
+        return ListPage(objects, [decode(p) for p in prefixes], token)
 
     # ----------------------------------------------------------------------------- writes
 
     async def put(
         self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None
     ) -> None:
-        condition = await self.if_absent_params(key) if if_absent else {}
-        if all(_plain_header(k) and _plain_header(v) for k, v in (metadata or {}).items()):
-            headers = {f"x-amz-meta-{k}": v for k, v in (metadata or {}).items()}
-            if condition:
-                headers["If-None-Match"] = condition["IfNoneMatch"]
-            await self.send("PUT", key, {}, headers, body=data, if_absent=if_absent)
+        condition = await self.if_absent_headers(key) if if_absent else {}
+        headers = _metadata_headers(metadata)
+        if headers is not None:
+            await self.send("PUT", key, {}, {**headers, **condition}, body=data, if_absent=if_absent)
             return
         body = bytes(data)  # metadata HTTP headers cannot carry as is: botocore encodes it
         await self.call("put_object", key, if_absent=if_absent, Key=key, Body=body, ContentLength=len(body),
-                        Metadata=dict(metadata or {}), **condition)
+                        Metadata=dict(metadata or {}), **({"IfNoneMatch": "*"} if condition else {}))
 
-    async def if_absent_params(self, key: str) -> dict[str, str]:
-        """Request parameters that make a PutObject or CompleteMultipartUpload of ``key`` create-if-absent.
+    async def if_absent_headers(self, key: str) -> dict[str, str]:
+        """Request headers that make a PutObject or CompleteMultipartUpload of ``key`` create-if-absent.
 
         ``If-None-Match: *`` where the server honours it; in best-effort mode on servers that ignore it,
         a HEAD first (AlreadyExistsError when present; racy); otherwise StoreError.
@@ -521,7 +613,7 @@ class S3Store(ReceivingStore):
         honoured = await self.if_absent.check(endpoint=self.endpoint_url, shown=self.endpoint, bucket=self.bucket,
                                               where=self.where(key), probe=lambda: self._probe_conditional(key),
                                               head=lambda: self.head(key))
-        return {"IfNoneMatch": "*"} if honoured else {}
+        return {"If-None-Match": "*"} if honoured else {}
 
     async def _probe_conditional(self, key: str) -> bool:
         probe = posixpath.join(posixpath.dirname(key), f".fastckpt-probe-{secrets.token_hex(8)}")
@@ -566,8 +658,17 @@ class S3Store(ReceivingStore):
     async def create_multipart(
         self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
     ) -> MultipartUpload:
-        resp = await self.call("create_multipart_upload", key, Key=key, Metadata=dict(metadata or {}))
-        return S3Upload(self, key, resp["UploadId"], if_absent)
+        headers = _metadata_headers(metadata)
+        if headers is None:  # metadata HTTP headers cannot carry as is: botocore encodes it
+            resp = await self.call("create_multipart_upload", key, Key=key, Metadata=dict(metadata or {}))
+            return S3Upload(self, key, resp["UploadId"], if_absent)
+        answer = await self.send("POST", key, {"uploads": ""}, headers)
+        try:
+            upload_id = _fields(ElementTree.fromstring(answer.body))["UploadId"]
+        except (ElementTree.ParseError, KeyError) as exc:
+            raise StoreError(f"{self.where(key)}: {self.endpoint} started a multipart upload without naming it",
+                             key=key, backend="s3") from exc
+        return S3Upload(self, key, upload_id, if_absent)
 
     async def resume_multipart(self, key: str, upload_id: str, part_size: int, *,
                                if_absent: bool = False) -> MultipartUpload | None:
@@ -602,8 +703,12 @@ class S3Store(ReceivingStore):
             params["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
 
     async def abort_pending_upload(self, upload: PendingUpload) -> None:
+        await self.abort_upload(upload.key, upload.upload_id)
+
+    async def abort_upload(self, key: str, upload_id: str) -> None:
+        """AbortMultipartUpload; one completed or aborted already is not an error."""
         with contextlib.suppress(_NoSuchUpload):
-            await self.call("abort_multipart_upload", upload.key, Key=upload.key, UploadId=upload.upload_id)
+            await self.send("DELETE", key, {"uploadId": upload_id}, {})
 
 
 @dataclass(frozen=True)
