@@ -168,6 +168,7 @@ def _listed(key: str, fields: dict[str, str]) -> ObjectMeta:
     return ObjectMeta(key, int(fields.get("Size") or 0), _timestamp(modified).timestamp() if modified else 0.0,
                       fields.get("ETag") or None)
 
+
 def _plain_header(text: str) -> bool:
     """Whether ``text`` goes into an HTTP header as is (printable ASCII); other metadata goes through the SDK."""
     return text.isascii() and text.isprintable()
@@ -563,7 +564,9 @@ class S3Store(ReceivingStore):
     async def list_page(self, prefix: str, delimiter: str | None = None, token: str | None = None) -> ListPage:
         """One ListObjectsV2 request on the data path; keys travel URL-encoded (``encoding-type=url``, as botocore
         asks for them: XML 1.0 cannot carry every character a key may hold)."""
-        query = {"list-type": "2", "prefix": prefix, "max-keys": str(self.page_size), "encoding-type": "url"}
+        query = {"list-type": "2", "max-keys": str(self.page_size), "encoding-type": "url"}
+        if prefix:
+            query["prefix"] = prefix
         if delimiter:
             query["delimiter"] = delimiter
         if token:
