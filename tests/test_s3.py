@@ -8,6 +8,8 @@ import http.client
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import traceback
 import urllib.request
@@ -35,6 +37,7 @@ from fastckpt.engine.plan import plan_upload
 from fastckpt.engine.transfer import Transfer
 from fastckpt.integrity import META_CHUNK, META_DIGEST, FileDigest
 from fastckpt.stores.s3 import S3Store, resolve_endpoint
+from fastckpt.stores.sigv4 import StaticCredentials, env_credentials
 from harness.faults import FaultInjectingStore
 from harness.procs import free_port
 from harness.s3 import BUCKET, MotoServer, start_moto, stop_moto
@@ -438,6 +441,51 @@ async def test_endpoint_override_reaches_local_server(moto_server, monkeypatch, 
         await store.close()
     raw = raw_client(moto_server).get_object(Bucket=BUCKET, Key=f"{prefix}/hello")
     assert raw["Body"].read() == b"hi" and raw["Metadata"] == {"k": "v"}
+
+
+def test_a_restore_with_the_keys_in_the_environment_imports_no_sdk(moto_server, tmp_path) -> None:
+    """From an endpoint of one's own, with the keys in the environment, a restore (listing, GETs, a missing key's
+    error) runs on the data path alone: botocore, aiobotocore and aiohttp (~0.45 s of imports) stay unloaded."""
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    data = os.urandom(3 * PART + 5)
+    raw_client(moto_server).put_object(Bucket=BUCKET, Key=f"{prefix}/d/big", Body=data)
+    script = f"""
+import sys, fastckpt
+fastckpt.download({moto_server.uri(BUCKET, prefix + "/d")!r}, {str(tmp_path / "out")!r})
+try:
+    fastckpt.download({moto_server.uri(BUCKET, prefix + "/gone")!r}, {str(tmp_path / "gone")!r})
+except fastckpt.ObjectNotFoundError as exc:
+    print("missing:", exc)
+print(sorted({{m.partition(".")[0] for m in sys.modules}} & {{"botocore", "aiobotocore", "aiohttp"}}))
+"""
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "[]" and "missing: nothing found below" in out.stdout
+    assert (tmp_path / "out" / "big").read_bytes() == data
+
+
+def test_doctor_names_an_sdk_the_store_imports_only_when_used(monkeypatch) -> None:
+    import importlib.util
+
+    from fastckpt.stores import backend_status
+
+    assert backend_status()["s3"] == "available"
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "aiobotocore" else found(name))
+    assert backend_status()["s3"] == "unavailable: No module named 'aiobotocore'"
+
+
+def test_keys_from_the_environment_as_botocore_takes_them() -> None:
+    env = {"AWS_ACCESS_KEY_ID": "AK", "AWS_SECRET_ACCESS_KEY": "SK"}
+    assert env_credentials(env) == StaticCredentials("AK", "SK")
+    assert env_credentials({**env, "AWS_SECURITY_TOKEN": "old"}).token == "old"
+    assert env_credentials({**env, "AWS_SECURITY_TOKEN": "old", "AWS_SESSION_TOKEN": "new"}).token == "new"
+    assert "SK" not in repr(env_credentials(env))
+    for left_to_botocore in ({"AWS_ACCESS_KEY_ID": "AK"}, {**env, "AWS_CREDENTIAL_EXPIRATION": "2030-01-01T00:00:00Z"},
+                             {**env, "AWS_SECRET_ACCESS_KEY": ""}):
+        assert env_credentials(left_to_botocore) is None
 
 
 def test_sync_calls_keep_one_store_per_location(moto_server, monkeypatch, tmp_path) -> None:

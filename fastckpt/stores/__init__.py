@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from ..config import TransferConfig
 from ..uri import ENTRY_POINTS, StorageURI, parse_uri, plugin_schemes
@@ -40,8 +41,10 @@ def backend_status() -> dict[str, str]:
     for name in [*_FACTORIES, *sorted(plugin_schemes())]:
         module, _ = _factory_target(name)  # type: ignore[misc]
         try:
-            importlib.import_module(module)
-            status[name] = "available"
+            loaded = importlib.import_module(module)
+            # packages a backend imports on first use only (``LAZY_IMPORTS``): found, not loaded
+            missing = [m for m in getattr(loaded, "LAZY_IMPORTS", ()) if importlib.util.find_spec(m) is None]
+            status[name] = f"unavailable: No module named {missing[0]!r}" if missing else "available"
         except ImportError as exc:
             status[name] = f"unavailable: {exc}"
     return status

@@ -13,7 +13,9 @@ They carry no SDK checksum (fastckpt's XXH3 digests check every byte end to end)
 of the user's own the data path is addressed without botocore's client, so a restore never builds one
 (~0.2 CPU-s); on AWS botocore's endpoint rules place the bucket. The rest (deletes, ListParts, listing
 uploads, metadata a header cannot carry) goes through aiobotocore, whose own retries are off
-(``stores.retry`` retries); an endpoint never reached raises StoreError at once.
+(``stores.retry`` retries); an endpoint never reached raises StoreError at once. botocore, aiobotocore and
+aiohttp are imported on first use: with the keys in the environment (``sigv4.env_credentials``) and an
+endpoint of one's own, a restore never loads them.
 """
 
 from __future__ import annotations
@@ -28,34 +30,15 @@ import posixpath
 import re
 import secrets
 import socket
+import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from urllib.parse import quote, unquote_plus, urlsplit
 from xml.etree import ElementTree
 from xml.sax.saxutils import escape
-
-import aiohttp
-from aiobotocore.config import AioConfig
-from aiobotocore.session import AioSession
-from botocore import UNSIGNED
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    ConnectTimeoutError,
-    CredentialRetrievalError,
-    EndpointConnectionError,
-    HTTPClientError,
-    IncompleteReadError,
-    NoCredentialsError,
-    PartialCredentialsError,
-    ProfileNotFound,
-    ReadTimeoutError,
-    SSLError,
-)
-from botocore.utils import parse_timestamp
 
 from ..config import TransferConfig
 from ..errors import (
@@ -82,7 +65,10 @@ from .base import (
 )
 from .classify import ErrorTable, classify, unreachable
 from .conditional import IfAbsentGuard
-from .sigv4 import UNSIGNED_PAYLOAD, S3Signer
+from .sigv4 import UNSIGNED_PAYLOAD, S3Signer, env_credentials
+
+if TYPE_CHECKING:
+    from aiobotocore.session import AioSession
 
 log = logging.getLogger("fastckpt")
 T = TypeVar("T")
@@ -111,7 +97,16 @@ ERRORS = ErrorTable(
 )
 _NO_CONDITIONAL_CODES = {"NotImplemented", "InvalidArgument", "InvalidRequest", "UnsupportedOperation"}
 
-_CLIENT_ERRORS = (BotoCoreError, ClientError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
+LAZY_IMPORTS = ("aiobotocore", "botocore", "aiohttp")
+"""Imported on first use only (~0.45 s): a restore from an endpoint of one's own with the keys in the environment
+never needs them (``fastckpt doctor`` checks they are installed)."""
+_SDKS = frozenset(LAZY_IMPORTS)
+
+
+def _request_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed request: the socket's, the HTTP data path's, or one of the SDKs'."""
+    return isinstance(exc, (OSError, asyncio.TimeoutError, ProtocolError)) or (
+        type(exc).__module__.partition(".")[0] in _SDKS)
 
 
 class _NoSuchUpload(StoreError):
@@ -141,6 +136,8 @@ def _timestamp(value: Any) -> datetime:
             pass
         else:
             return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+    from botocore.utils import parse_timestamp
+
     return parse_timestamp(value)
 
 
@@ -298,6 +295,8 @@ class S3Store(ReceivingStore):
 
     def _session(self) -> AioSession:
         if self._aio_session is None:
+            from aiobotocore.session import AioSession
+
             self._aio_session = AioSession(profile=self.options.profile)
             # listings of many uploads: ISO 8601 times parsed by datetime, not dateutil
             self._aio_session.get_component("response_parser_factory").set_parser_defaults(
@@ -308,6 +307,9 @@ class S3Store(ReceivingStore):
         return self.options.region or self._session().get_config_variable("region") or "us-east-1"
 
     async def _open_client(self, region: str) -> Any:
+        from aiobotocore.config import AioConfig
+        from botocore import UNSIGNED
+
         s3_config: dict[str, Any] = {"addressing_style": self.addressing_style}
         opts = self.options
         if opts.payload_signing is not None:
@@ -345,14 +347,18 @@ class S3Store(ReceivingStore):
             return await start()
         except StoreError:
             raise
-        except _CLIENT_ERRORS as exc:
+        except Exception as exc:
+            if not _request_failure(exc):
+                raise
             raise self._translate(exc, "") from exc
 
     async def _start_data_path(self) -> None:
         opts = self.options
-        credentials = None if opts.anonymous else await self._session().get_credentials()
-        if credentials is None and not opts.anonymous:
-            raise NoCredentialsError()
+        credentials = None
+        if not opts.anonymous:  # the keys in the environment come first, as in botocore's chain (unless ?profile=)
+            credentials = (None if opts.profile else env_credentials()) or await self._session().get_credentials()
+            if credentials is None:
+                raise self._no_credentials("")
         own_endpoint = bool(self.endpoint_url) and self.addressing_style == "path"
         if own_endpoint:
             endpoint = urlsplit(self.endpoint_url)
@@ -382,12 +388,16 @@ class S3Store(ReceivingStore):
     async def _bucket_region(self, client: Any) -> str | None:
         """The bucket's region as botocore's HeadBucket reports it (``x-amz-bucket-region``); None when unknown
         (no such header, a failure: the requests that follow report those)."""
+        from botocore.exceptions import ClientError
+
         try:
             answer = await client.head_bucket(Bucket=self.bucket)
             self._bucket_ok = True
         except ClientError as exc:
             answer = exc.response
-        except _CLIENT_ERRORS:
+        except Exception as exc:
+            if not _request_failure(exc):
+                raise
             return None
         return answer.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
 
@@ -398,7 +408,9 @@ class S3Store(ReceivingStore):
         path, credentials, signer = self._signing
         try:
             resp = await self._sign_and_send("HEAD", path, {}, None, None)
-        except (*_CLIENT_ERRORS, ProtocolError):
+        except Exception as exc:
+            if not _request_failure(exc):
+                raise
             return  # the requests that follow report it
         self._bucket_ok = 200 <= resp.status < 300
         region = resp.headers.get("x-amz-bucket-region")
@@ -415,7 +427,9 @@ class S3Store(ReceivingStore):
             target += "?" + "&".join(f"{k}={quote(v, safe='-_.~')}" if v else k for k, v in query.items())
         try:
             resp = await self._sign_and_send(method, target, headers, body, into)
-        except (*_CLIENT_ERRORS, ProtocolError) as exc:
+        except Exception as exc:
+            if not _request_failure(exc):
+                raise
             raise self._translate(exc, key, if_absent=if_absent) from exc
         if not 200 <= resp.status < 300 and resp.status != 416:
             raise self.answer_error(resp, method, key, if_absent)
@@ -439,9 +453,7 @@ class S3Store(ReceivingStore):
             found = re.search(rf"<{name}>([^<]*)</{name}>".encode(), resp.body)
             return found[1].decode("utf-8", "replace") if found else ""
 
-        error = {"Code": field("Code") or str(resp.status), "Message": field("Message")}
-        return self._translate(ClientError({"Error": error, "ResponseMetadata": {"HTTPStatusCode": resp.status}},
-                                           method), key, if_absent=if_absent)
+        return self._service_error(resp.status, field("Code") or str(resp.status), field("Message"), key, if_absent)
 
     async def close(self) -> None:
         self._client = self._signing = None
@@ -456,7 +468,9 @@ class S3Store(ReceivingStore):
         client = await self.client()
         try:
             resp = await getattr(client, op)(Bucket=self.bucket, **params)
-        except _CLIENT_ERRORS as exc:
+        except Exception as exc:
+            if not _request_failure(exc):
+                raise
             raise self._translate(exc, key, if_absent=if_absent) from exc
         self._connected = True
         return resp
@@ -471,41 +485,67 @@ class S3Store(ReceivingStore):
 
     def _error_for(self, exc: BaseException, key: str, if_absent: bool) -> StoreError:
         where = self.where(key) if key else f"s3://{self.bucket}"
-        at = f"at endpoint {self.endpoint}"
-        if isinstance(exc, ClientError):
-            self._connected = True
+        if type(exc).__module__.partition(".")[0] in _SDKS:
+            return self._sdk_error(exc, key, where, if_absent)
+        if isinstance(exc, ssl.SSLError):
+            return self._tls_error(where)
+        if isinstance(exc, (ConnectionRefusedError, socket.gaierror)):  # connecting on the data path
+            return unreachable("S3", self.endpoint, where, " ".join(str(exc).split()),
+                               first_contact=not self._connected)
+        if isinstance(exc, (asyncio.TimeoutError, ConnectionError)):
+            return TransientStoreError(f"{where}: {type(exc).__name__} talking to {self.endpoint}")
+        return StoreError(f"{where}: {type(exc).__name__} at endpoint {self.endpoint}: {' '.join(str(exc).split())}")
+
+    def _sdk_error(self, exc: BaseException, key: str, where: str, if_absent: bool) -> StoreError:
+        """The fastckpt error for a botocore or aiohttp failure (raised by the SDK, so it is imported)."""
+        import aiohttp
+        from botocore import exceptions as bx
+
+        if isinstance(exc, bx.ClientError):
             error = exc.response.get("Error", {})
-            code = str(error.get("Code", ""))
             status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-            if code == "NoSuchUpload":
-                return _NoSuchUpload(f"multipart upload of {where} no longer exists (completed or aborted)")
-            detail = " ".join(str(error.get("Message", "")).split())
-            return classify(ERRORS, status, code, place=where, bucket=f"bucket {self.bucket!r}", at=f" {at}",
-                            key=key or None, if_absent=if_absent, detail=detail)
-        if isinstance(exc, NoCredentialsError):
-            return AccessDeniedError(f"no AWS credentials found for {where}: set AWS_ACCESS_KEY_ID and "
-                                     "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or use ?anonymous=true")
-        if isinstance(exc, (PartialCredentialsError, CredentialRetrievalError)):
+            return self._service_error(status, str(error.get("Code", "")), str(error.get("Message", "")), key,
+                                       if_absent)
+        if isinstance(exc, bx.NoCredentialsError):
+            return self._no_credentials(key)
+        if isinstance(exc, (bx.PartialCredentialsError, bx.CredentialRetrievalError)):
             return AccessDeniedError(f"AWS credentials for {where} are incomplete or unavailable: {exc}")
-        if isinstance(exc, ProfileNotFound):
+        if isinstance(exc, bx.ProfileNotFound):
             return StoreError(f"AWS profile {self.options.profile or os.environ.get('AWS_PROFILE')!r} not found "
                               f"(needed for {where})")
-        if isinstance(exc, SSLError):
-            return StoreError(f"TLS error talking to {self.endpoint} for {where}; for a plain-http endpoint "
-                              "use endpoint_override=http://... or &scheme=http")
-        if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError)):
+        if isinstance(exc, bx.SSLError):
+            return self._tls_error(where)
+        if isinstance(exc, (bx.EndpointConnectionError, bx.ConnectTimeoutError)):
             cause = exc.kwargs.get("error", exc)
-            refused = isinstance(exc, ConnectTimeoutError) or isinstance(
+            refused = isinstance(exc, bx.ConnectTimeoutError) or isinstance(
                 cause, (aiohttp.ClientConnectorError, socket.gaierror))  # not a reset after connecting
             return unreachable("S3", self.endpoint, where, " ".join(str(cause).split()),
                                first_contact=refused and not self._connected)
-        if isinstance(exc, (ConnectionRefusedError, socket.gaierror)):  # connecting on the fast path
-            return unreachable("S3", self.endpoint, where, " ".join(str(exc).split()),
-                               first_contact=not self._connected)
-        if isinstance(exc, (ReadTimeoutError, HTTPClientError, IncompleteReadError, aiohttp.ClientError,
-                            asyncio.TimeoutError, ConnectionError)):
+        if isinstance(exc, (bx.ReadTimeoutError, bx.HTTPClientError, bx.IncompleteReadError, aiohttp.ClientError)):
             return TransientStoreError(f"{where}: {type(exc).__name__} talking to {self.endpoint}")
-        return StoreError(f"{where}: {type(exc).__name__} {at}: {' '.join(str(exc).split())}")
+        return StoreError(f"{where}: {type(exc).__name__} at endpoint {self.endpoint}: {' '.join(str(exc).split())}")
+
+    def _service_error(self, status: int, code: str, message: str, key: str, if_absent: bool) -> StoreError:
+        """The fastckpt error for an error the S3 service answered (``code``, from its XML or botocore)."""
+        self._connected = True
+        where = self.where(key) if key else f"s3://{self.bucket}"
+        if code == "NoSuchUpload":
+            return _NoSuchUpload(f"multipart upload of {where} no longer exists (completed or aborted)")
+        error = classify(ERRORS, status, code, place=where, bucket=f"bucket {self.bucket!r}",
+                         at=f" at endpoint {self.endpoint}", key=key or None, if_absent=if_absent,
+                         detail=" ".join(message.split()))
+        error.key, error.backend = error.key or key or None, "s3"
+        return error
+
+    def _no_credentials(self, key: str) -> AccessDeniedError:
+        where = self.where(key) if key else f"s3://{self.bucket}"
+        return AccessDeniedError(f"no AWS credentials found for {where}: set AWS_ACCESS_KEY_ID and "
+                                 "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or use ?anonymous=true", key=key or None,
+                                 backend="s3")
+
+    def _tls_error(self, where: str) -> StoreError:
+        return StoreError(f"TLS error talking to {self.endpoint} for {where}; for a plain-http endpoint "
+                          "use endpoint_override=http://... or &scheme=http")
 
     async def _missing(self, key: str) -> ObjectNotFoundError:
         """The error for a 404 without a body (HEAD): names the bucket when it is the bucket that is gone."""
@@ -628,6 +668,8 @@ class S3Store(ReceivingStore):
         except AlreadyExistsError:
             return True
         except StoreError as exc:
+            from botocore.exceptions import ClientError
+
             cause = exc.__cause__
             if isinstance(cause, ClientError) and (
                     cause.response.get("Error", {}).get("Code") in _NO_CONDITIONAL_CODES
@@ -652,10 +694,8 @@ class S3Store(ReceivingStore):
         if failures:
             first = failures[0]
             code = first.get("Code", "")
-            error = self._translate(ClientError({
-                "Error": {"Code": code, "Message": first.get("Message", "")},
-                "ResponseMetadata": {"HTTPStatusCode": 403 if code == "AccessDenied" else 400}}, "DeleteObjects"),
-                first.get("Key", ""))
+            error = self._service_error(403 if code == "AccessDenied" else 400, code, first.get("Message", ""),
+                                        first.get("Key", ""), False)
             raise type(error)(f"{len(failures)} of {len(keys)} deletes failed; first: {error}")
 
     async def create_multipart(
