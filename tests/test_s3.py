@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import boto3
 import pytest
+from botocore.credentials import EnvProvider
 
 import fastckpt
 from fastckpt import (
@@ -480,8 +481,9 @@ def test_doctor_names_an_sdk_the_store_imports_only_when_used(monkeypatch) -> No
 def test_keys_from_the_environment_as_botocore_takes_them() -> None:
     env = {"AWS_ACCESS_KEY_ID": "AK", "AWS_SECRET_ACCESS_KEY": "SK"}
     assert env_credentials(env) == StaticCredentials("AK", "SK")
-    assert env_credentials({**env, "AWS_SECURITY_TOKEN": "old"}).token == "old"
-    assert env_credentials({**env, "AWS_SECURITY_TOKEN": "old", "AWS_SESSION_TOKEN": "new"}).token == "new"
+    assert env_credentials({**env, "AWS_SESSION_TOKEN": "session"}).token == "session"
+    both = {**env, "AWS_SECURITY_TOKEN": "security", "AWS_SESSION_TOKEN": "session"}
+    assert env_credentials(both).token == "security" == EnvProvider(both).load().get_frozen_credentials().token
     assert "SK" not in repr(env_credentials(env))
     for left_to_botocore in ({"AWS_ACCESS_KEY_ID": "AK"}, {**env, "AWS_CREDENTIAL_EXPIRATION": "2030-01-01T00:00:00Z"},
                              {**env, "AWS_SECRET_ACCESS_KEY": ""}):

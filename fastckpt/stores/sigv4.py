@@ -49,7 +49,8 @@ def env_credentials(environ: Mapping[str, str] = os.environ) -> StaticCredential
     key, secret = environ.get("AWS_ACCESS_KEY_ID"), environ.get("AWS_SECRET_ACCESS_KEY")
     if not key or not secret or environ.get("AWS_CREDENTIAL_EXPIRATION"):
         return None
-    return StaticCredentials(key, secret, environ.get("AWS_SESSION_TOKEN") or environ.get("AWS_SECURITY_TOKEN"))
+    # botocore's order (``EnvProvider.TOKENS``): the older name first
+    return StaticCredentials(key, secret, environ.get("AWS_SECURITY_TOKEN") or environ.get("AWS_SESSION_TOKEN"))
 
 
 class S3Signer:
