@@ -278,8 +278,8 @@ class S3Store(ReceivingStore):
         self._bucket_ok = False
 
     def where(self, key: str) -> str:
-        """``s3://bucket/key`` for messages."""
-        return f"s3://{self.bucket}/{key}"
+        """``s3://bucket/key`` for messages (``s3://bucket`` without a key)."""
+        return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
 
     # ----------------------------------------------------------------------------- client
 
@@ -484,20 +484,23 @@ class S3Store(ReceivingStore):
         return error
 
     def _error_for(self, exc: BaseException, key: str, if_absent: bool) -> StoreError:
-        where = self.where(key) if key else f"s3://{self.bucket}"
+        where = self.where(key)
         if type(exc).__module__.partition(".")[0] in _SDKS:
-            return self._sdk_error(exc, key, where, if_absent)
-        if isinstance(exc, ssl.SSLError):
+            error = self._sdk_error(exc, key, where, if_absent)
+            if error is not None:
+                return error
+        elif isinstance(exc, ssl.SSLError):
             return self._tls_error(where)
-        if isinstance(exc, (ConnectionRefusedError, socket.gaierror)):  # connecting on the data path
+        elif isinstance(exc, (ConnectionRefusedError, socket.gaierror)):  # connecting on the data path
             return unreachable("S3", self.endpoint, where, " ".join(str(exc).split()),
                                first_contact=not self._connected)
-        if isinstance(exc, (asyncio.TimeoutError, ConnectionError)):
-            return TransientStoreError(f"{where}: {type(exc).__name__} talking to {self.endpoint}")
+        elif isinstance(exc, (asyncio.TimeoutError, ConnectionError)):
+            return self._transient(exc, where)
         return StoreError(f"{where}: {type(exc).__name__} at endpoint {self.endpoint}: {' '.join(str(exc).split())}")
 
-    def _sdk_error(self, exc: BaseException, key: str, where: str, if_absent: bool) -> StoreError:
-        """The fastckpt error for a botocore or aiohttp failure (raised by the SDK, so it is imported)."""
+    def _sdk_error(self, exc: BaseException, key: str, where: str, if_absent: bool) -> StoreError | None:
+        """The fastckpt error for a botocore or aiohttp failure (raised by the SDK, so it is imported); None for
+        one without a meaning of its own."""
         import aiohttp
         from botocore import exceptions as bx
 
@@ -522,13 +525,16 @@ class S3Store(ReceivingStore):
             return unreachable("S3", self.endpoint, where, " ".join(str(cause).split()),
                                first_contact=refused and not self._connected)
         if isinstance(exc, (bx.ReadTimeoutError, bx.HTTPClientError, bx.IncompleteReadError, aiohttp.ClientError)):
-            return TransientStoreError(f"{where}: {type(exc).__name__} talking to {self.endpoint}")
-        return StoreError(f"{where}: {type(exc).__name__} at endpoint {self.endpoint}: {' '.join(str(exc).split())}")
+            return self._transient(exc, where)
+        return None
+
+    def _transient(self, exc: BaseException, where: str) -> TransientStoreError:
+        return TransientStoreError(f"{where}: {type(exc).__name__} talking to {self.endpoint}")
 
     def _service_error(self, status: int, code: str, message: str, key: str, if_absent: bool) -> StoreError:
         """The fastckpt error for an error the S3 service answered (``code``, from its XML or botocore)."""
         self._connected = True
-        where = self.where(key) if key else f"s3://{self.bucket}"
+        where = self.where(key)
         if code == "NoSuchUpload":
             return _NoSuchUpload(f"multipart upload of {where} no longer exists (completed or aborted)")
         error = classify(ERRORS, status, code, place=where, bucket=f"bucket {self.bucket!r}",
@@ -538,8 +544,7 @@ class S3Store(ReceivingStore):
         return error
 
     def _no_credentials(self, key: str) -> AccessDeniedError:
-        where = self.where(key) if key else f"s3://{self.bucket}"
-        return AccessDeniedError(f"no AWS credentials found for {where}: set AWS_ACCESS_KEY_ID and "
+        return AccessDeniedError(f"no AWS credentials found for {self.where(key)}: set AWS_ACCESS_KEY_ID and "
                                  "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or use ?anonymous=true", key=key or None,
                                  backend="s3")
 
@@ -628,7 +633,7 @@ class S3Store(ReceivingStore):
             decode = unquote_plus if fields.get("EncodingType") == "url" else str
             objects = [_listed(decode(f["Key"]), f) for f in contents]
         except (ElementTree.ParseError, KeyError, ValueError) as exc:
-            raise StoreError(f"s3://{self.bucket}/{prefix}: unreadable listing from {self.endpoint} ({exc!r})",
+            raise StoreError(f"{self.where(prefix)}: unreadable listing from {self.endpoint} ({exc!r})",
                              key=prefix, backend="s3") from exc
         token = fields.get("NextContinuationToken") if fields.get("IsTruncated") == "true" else None
         return ListPage(objects, [decode(p) for p in prefixes], token)
