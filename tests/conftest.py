@@ -8,12 +8,14 @@ suite runs once per backend: memory, local, and every server module found; or, w
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pkgutil
 import tempfile
 import uuid
 
 import pytest
+import uvloop
 
 from fastckpt import TransferConfig, open_store, parse_uri
 
@@ -28,6 +30,14 @@ os.environ.setdefault("FASTCKPT_STATE_DIR", tempfile.mkdtemp(prefix="fastckpt-st
 SERVER_BACKENDS = sorted(m.name for m in pkgutil.iter_modules(servers.__path__))
 pytest_plugins = [f"tests.servers.{name}" for name in SERVER_BACKENDS]
 BACKENDS = ["memory", "local", *SERVER_BACKENDS]
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict:
+    """Async tests run on asyncio's event loop; those marked ``both_loops`` on uvloop's too (which the library's
+    sync API and CLI use)."""
+    if item.get_closest_marker("both_loops") is None:
+        return {"asyncio": asyncio.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
 def small_config(**overrides: object) -> TransferConfig:

@@ -1,26 +1,34 @@
 """The HTTP data path (``fastckpt.http``) against a raw HTTP/1.1 server on 127.0.0.1 that misbehaves on demand:
 keep-alive reuse, idle connections the server closed, short bodies, oversized bodies, chunked error answers,
-cancellation mid-body, bodies sent from a caller's buffer."""
+cancellation mid-body, bodies sent from a caller's buffer, bodies a file's receiver takes from the socket on a
+thread; under asyncio's loop and uvloop's (what the library runs on)."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Awaitable
 
 import pytest
 
+from fastckpt.engine import sink as sinks
+from fastckpt.engine.sink import RingSink
 from fastckpt.http import HttpClient, ProtocolError
+from fastckpt.integrity import hash_chunks
 from fastckpt.stores.base import BufferReceiver, Receiver
 
 DATA = os.urandom(3 << 20)
 
+pytestmark = pytest.mark.both_loops
+
 
 class Server:
     """Answers ``GET /data?start=S&end=E`` with DATA[S:E] (206), ``PUT /echo`` with the body's length and bytes
-    kept, ``GET /short`` with half the promised body then a close, ``GET /error`` with a chunked 503,
-    ``GET /stall`` with a head and 1 KiB of body then nothing; ``close_after`` closes each connection after
-    that many answers."""
+    kept, ``GET /short?length=N`` with half the promised N (1000) bytes then a close, ``GET /error`` with a
+    chunked 503, ``GET /stall?length=N`` with a head for N (100000) bytes and 1 KiB of them then nothing;
+    ``close_after`` closes each connection after that many answers."""
 
     def __init__(self) -> None:
         self.connections = 0
@@ -50,22 +58,24 @@ class Server:
 
     async def answer(self, method: str, target: str, body: bytes, writer: asyncio.StreamWriter) -> None:
         path, _, query = target.partition("?")
+        args = dict(p.split("=") for p in query.split("&") if p)
         if path == "/data":
-            args = dict(p.split("=") for p in query.split("&"))
             part = DATA[int(args["start"]):int(args["end"])]
             writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Length: %d\r\n\r\n" % len(part) + part)
         elif path == "/echo":
             self.received.append(body)
             writer.write(b"HTTP/1.1 200 OK\r\nETag: \"%d\"\r\nContent-Length: 0\r\n\r\n" % len(body))
         elif path == "/short":
-            writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 1000\r\n\r\n" + DATA[:500])
+            length = int(args.get("length", 1000))
+            writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Length: %d\r\n\r\n" % length + DATA[:length // 2])
             await writer.drain()
             raise ConnectionError("cut short")
         elif path == "/error":
             writer.write(b"HTTP/1.1 503 Slow Down\r\nTransfer-Encoding: chunked\r\n\r\n"
                          b"5\r\n<Code\r\n10\r\n>SlowDown</Code>\r\n0\r\n\r\n")
         elif path == "/stall":
-            writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 100000\r\n\r\n" + DATA[:1024])
+            length = int(args.get("length", 100000))
+            writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Length: %d\r\n\r\n" % length + DATA[:1024])
             await writer.drain()
             self.stalled.set()
             await asyncio.sleep(3600)
@@ -264,3 +274,119 @@ async def test_an_answer_before_the_body_is_sent_closes_the_connection() -> None
     finally:
         await client.close()
         srv.close()
+
+
+class FileSink:
+    """A ``RingSink`` for ``length`` bytes at ``offset`` of a new file, whose ring stays zero unless bytes go
+    through it."""
+
+    def __init__(self, path: str, offset: int, length: int, *, flags: int = os.O_RDWR) -> None:
+        if not os.path.exists(path):
+            open(path, "wb").close()
+        self.fd = os.open(path, flags)
+        self.ring = bytearray(sinks.SLICE)
+        self.sink = RingSink("obj", self.fd, threading.Lock(), offset, length, memoryview(self.ring), 1 << 20)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+async def test_a_body_bound_for_a_file_moves_from_the_socket_on_a_thread(server, tmp_path) -> None:
+    """A ranged GET into a file's sink bypasses its ring (the body goes socket -> pipe -> file), is hashed
+    from the file, and leaves the connection ready for the next request."""
+    srv, client = server
+    start, end = 5, (3 << 20) - 7
+    target = FileSink(str(tmp_path / "out"), 3, end - start)
+    try:
+        digests = await target.sink.receive(_received(
+            client.request("GET", f"/data?start={start}&end={end}", {}, into=target.sink)))
+    finally:
+        target.close()
+    assert (tmp_path / "out").read_bytes() == bytes(3) + DATA[start:end]
+    assert digests == hash_chunks(DATA[start:end], 1 << 20)
+    assert not any(target.ring)  # no byte went through the ring
+    resp = await client.request("GET", "/data?start=0&end=4", {}, into=BufferReceiver(memoryview(bytearray(4))))
+    assert resp.status == 206 and srv.connections == 1
+
+
+async def _received(request: Awaitable) -> int:
+    return (await request).received
+
+
+async def test_a_body_cut_short_on_the_thread_keeps_what_came_and_resumes(server, tmp_path) -> None:
+    """A body the server cuts off mid-way raises a retryable error; what came is in the file and counted, and
+    a second request for the rest completes the range with the same chunk digests as one whole body."""
+    srv, client = server
+    length = 2 << 20
+    target = FileSink(str(tmp_path / "out"), 0, length)
+
+    async def cut_then_rest() -> int:
+        with pytest.raises(ProtocolError, match="mid-response"):
+            await client.request("GET", f"/short?length={length}", {}, into=target.sink)
+        got = target.sink.count
+        assert got == length // 2
+        resp = await client.request("GET", f"/data?start={got}&end={length}", {}, into=target.sink)
+        return got + resp.received
+
+    try:
+        digests = await target.sink.receive(cut_then_rest())
+    finally:
+        target.close()
+    assert (tmp_path / "out").read_bytes() == DATA[:length]
+    assert digests == hash_chunks(DATA[:length], 1 << 20) and srv.connections == 2
+
+
+async def test_a_cancelled_body_returns_only_once_the_thread_let_go(server, tmp_path) -> None:
+    """Cancelling a request whose body a thread is taking from the socket (the server stalls mid-body) returns
+    after that thread has stopped: the bytes it took are already counted, and nothing moves afterwards."""
+    srv, client = server
+    target = FileSink(str(tmp_path / "out"), 0, 2 << 20)
+    try:
+        task = asyncio.ensure_future(client.request("GET", f"/stall?length={2 << 20}", {}, into=target.sink))
+        await asyncio.wait_for(srv.stalled.wait(), 10)
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert target.sink.count == 1024  # counted by the thread as it ended
+        await asyncio.sleep(0.2)
+        assert target.sink.count == 1024 and os.path.getsize(tmp_path / "out") == 1024
+    finally:
+        target.close()
+    resp = await client.request("GET", "/data?start=0&end=4", {}, into=BufferReceiver(memoryview(bytearray(4))))
+    assert resp.status == 206 and srv.connections == 2
+
+
+async def test_a_file_that_cannot_be_written_fails_the_range_without_retrying(server, tmp_path) -> None:
+    """A write the file refuses on the thread (here: opened read-only) stops the request and is raised by the
+    sink, not taken for a broken connection."""
+    _, client = server
+    target = FileSink(str(tmp_path / "ro"), 0, 2 << 20, flags=os.O_RDONLY)
+    request = asyncio.ensure_future(client.request("GET", f"/data?start=0&end={2 << 20}", {}, into=target.sink))
+    try:
+        with pytest.raises(OSError) as info:
+            await target.sink.receive(request)
+    finally:
+        target.close()
+    assert info.value.errno == errno.EBADF and request.cancelled()
+
+
+def test_a_file_system_that_cannot_splice_is_written_from_a_buffer(tmp_path, monkeypatch) -> None:
+    """Where the kernel refuses to splice into the file (EINVAL), the pipe's bytes are read and written."""
+    real = os.splice
+
+    def no_file_splice(src: int, dst: int, count: int, **kwargs: int) -> int:
+        if "offset_dst" in kwargs:
+            raise OSError(errno.EINVAL, "no splice_write")
+        return real(src, dst, count, **kwargs)
+
+    monkeypatch.setattr(os, "splice", no_file_splice)
+    read, write = os.pipe()
+    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT)
+    try:
+        os.write(write, DATA[:50000])
+        sinks._drain(read, fd, 10, 50000)
+    finally:
+        for each in (read, write, fd):
+            os.close(each)
+    assert (tmp_path / "out").read_bytes() == bytes(10) + DATA[:50000]

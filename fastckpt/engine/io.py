@@ -12,14 +12,17 @@ from typing import TypeVar
 
 T = TypeVar("T")
 _IO_THREADS = 16
+_SOCKET_THREADS = 32
 _IO = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="fastckpt-io")
+_SOCKETS = ThreadPoolExecutor(max_workers=_SOCKET_THREADS, thread_name_prefix="fastckpt-socket")
 _io_started = threading.Event()
 
 
 def _reset_io_after_fork() -> None:
-    """A forked child inherits the executor but none of its threads: give it a fresh one."""
-    global _IO, _io_started
+    """A forked child inherits the executors but none of their threads: give it fresh ones."""
+    global _IO, _SOCKETS, _io_started
     _IO = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="fastckpt-io")
+    _SOCKETS = ThreadPoolExecutor(max_workers=_SOCKET_THREADS, thread_name_prefix="fastckpt-socket")
     _io_started = threading.Event()
 
 
@@ -53,6 +56,12 @@ def start_io_threads() -> None:
 def io_executor() -> ThreadPoolExecutor:
     """The engine's I/O threads."""
     return _IO
+
+
+def socket_executor() -> ThreadPoolExecutor:
+    """Threads that move a response body from a socket to a file; each waits on the network for the whole body,
+    so they are kept apart from the I/O threads."""
+    return _SOCKETS
 
 
 async def off_loop(fn: Callable[..., T], *args: object, undo: Callable[[T], object] | None = None) -> T:

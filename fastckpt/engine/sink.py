@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import mmap
 import os
+import select
+import stat
 import threading
 from collections.abc import Awaitable
 
 from ..errors import StoreError
+from ..http import ProtocolError
 from ..integrity import ChunkHasher, read_exact, write_at
 from ..stores.base import Receiver
-from .io import io_executor
+from .io import io_executor, socket_executor
 
 SLICE = 1 << 20
 """Bytes that land before they are hashed and written."""
@@ -32,6 +36,9 @@ RING = 8 << 20
 """Bytes of ring buffer per range being received."""
 COPY_SLICE = 4 << 20
 """Bytes per step of a local copy (1 GiB of a checkpoint: 4 MiB steps 0.56 s, 1 MiB steps 0.72 s, measured)."""
+PIPE = 1 << 20
+"""Bytes of the pipe a body moves through from its socket to its file (the most a process may ask for unprivileged)."""
+_SPLICE = hasattr(os, "splice")
 _scratch = threading.local()
 _PAGE = mmap.ALLOCATIONGRANULARITY
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
@@ -108,11 +115,31 @@ def hash_file_range(fd: int, offset: int, length: int, chunk: int) -> list[bytes
     return hasher.finish()
 
 
+def _drain(pipe: int, fd: int, pos: int, n: int) -> None:
+    """Move ``n`` bytes from ``pipe`` to ``pos`` of ``fd`` (through a buffer where the filesystem cannot splice)."""
+    done = 0
+    while done < n:
+        try:
+            done += os.splice(pipe, fd, n - done, offset_dst=pos + done)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            rest = os.read(pipe, n - done)
+            write_at(fd, pos + done, memoryview(rest))
+            done += len(rest)
+
+
 class RingSink(Receiver):
     """``length`` bytes of object ``what`` for ``offset`` of file ``fd`` (None: hashed only), received through
     ``ring`` (a multiple of ``SLICE`` bytes, however long the range): each slice is hashed and written by an I/O
     thread as soon as it is in, and its room goes to the bytes that follow; while every slice waits, the socket
-    is not read. ``receive`` runs the request and returns the range's chunk digests."""
+    is not read. ``receive`` runs the request and returns the range's chunk digests.
+
+    A body on a plain TCP socket bound for a regular file skips the ring (``from_socket``): a thread moves it from
+    the socket to the file through a pipe (``splice``, so the bytes never cross into user space) and hashes each
+    slice from a mapping of the file just after writing it. That costs the client half the CPU of receiving and
+    writing from a buffer (1 GiB over loopback: 0.5 CPU-s against 1.1, measured).
+    """
 
     def __init__(self, what: str, fd: int | None, writer: threading.Lock, offset: int, length: int,
                  ring: memoryview, chunk: int) -> None:
@@ -122,6 +149,7 @@ class RingSink(Receiver):
         self._job: asyncio.Future[int] | None = None
         self._failed: BaseException | None = None
         self._request: asyncio.Future[int] | None = None
+        self._regular: bool | None = None
 
     @property
     def remaining(self) -> int:
@@ -161,6 +189,74 @@ class RingSink(Receiver):
                         with self.writer:
                             write_at(self.fd, position + i, piece)
         return n
+
+    def from_socket(self, sock: int, head: bytes, n: int, stop: threading.Event) -> asyncio.Future[None] | None:
+        if self._regular is None:
+            self._regular = _SPLICE and self.fd is not None and stat.S_ISREG(os.fstat(self.fd).st_mode)
+        if not self._regular or self._job is not None or self._failed is not None or self._done != self.count:
+            return None
+        job = asyncio.get_running_loop().run_in_executor(socket_executor(), self._splice, sock, head, n, stop)
+        job.add_done_callback(self._spliced)
+        return job
+
+    def _splice(self, sock: int, head: bytes, n: int, stop: threading.Event) -> None:
+        """On a socket thread: write ``head``, then move ``n - len(head)`` bytes from ``sock`` to the file through
+        a pipe, hashing them from the file every ``COPY_SLICE`` bytes and at the end. A failure of the file is kept
+        in ``_failed`` (the range fails); one of the socket is raised (the request is retried)."""
+        assert self.fd is not None
+        start = self.offset + self.count
+        written = hashed = 0
+        try:
+            if head:
+                with self.writer:
+                    write_at(self.fd, start, memoryview(head))
+                written = len(head)
+            pipe_out, pipe_in = os.pipe()
+            try:
+                try:
+                    fcntl.fcntl(pipe_in, fcntl.F_SETPIPE_SZ, PIPE)
+                except OSError:  # a lower limit (fs.pipe-max-size): the default pipe, fewer bytes per move
+                    pass
+                poller = select.poll()
+                poller.register(sock, select.POLLIN)
+                while written < n and not stop.is_set():
+                    try:
+                        k = os.splice(sock, pipe_in, min(PIPE, n - written),
+                                      flags=os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK)
+                    except BlockingIOError:
+                        poller.poll(50)  # a stop is seen within 50 ms
+                        continue
+                    except OSError as exc:
+                        raise ProtocolError(f"connection broke mid-response: {exc}") from exc
+                    if not k:
+                        raise ProtocolError("connection closed by the server mid-response")
+                    with self.writer:
+                        _drain(pipe_out, self.fd, start + written, k)
+                    written += k
+                    if written - hashed >= COPY_SLICE:
+                        _hash_mapped(self.fd, start + hashed, written - hashed, self._hasher)
+                        hashed = written
+            finally:
+                os.close(pipe_out)
+                os.close(pipe_in)
+        except ProtocolError:
+            raise
+        except BaseException as exc:
+            self._failed = exc
+            raise
+        finally:
+            if written > hashed and self._failed is None:
+                try:
+                    _hash_mapped(self.fd, start + hashed, written - hashed, self._hasher)
+                except BaseException as exc:
+                    self._failed = exc
+                    raise
+            self.count += written
+            self._done += written
+
+    def _spliced(self, job: asyncio.Future[None]) -> None:
+        if self._failed is not None and self._request is not None:
+            self._request.cancel()  # a failed file fails the range (receive raises it); retries cannot help
 
     def _settled(self, job: asyncio.Future[int]) -> None:
         self._job = None

@@ -3,7 +3,9 @@
 The response head is parsed by ``httptools`` (the C parser under uvloop and uvicorn). A 2xx body of known
 length bound for a caller's ``Receiver`` is then received by the event loop straight into the receiver's
 room (``asyncio.BufferedProtocol``: no ``bytes`` object per socket read, no copy); while the receiver has
-no room, the connection stops reading (TCP holds the sender back) until it wakes it. A request body is
+no room, the connection stops reading (TCP holds the sender back) until it wakes it. A receiver may instead
+take a long body straight from a plain TCP socket on a thread of its own (``Receiver.from_socket``): the
+connection stops reading until that thread has let go of the socket. A request body is
 handed to the transport as a view of the caller's buffer (uvloop sends from it without copying). Other
 bodies (errors, chunked answers) go through the parser into a small ``bytearray``.
 
@@ -14,6 +16,7 @@ closed, never reused: a dying connection must not touch a buffer after its reque
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -25,6 +28,8 @@ if TYPE_CHECKING:
 
 SCRATCH = 64 << 10
 """Bytes received per socket read while no caller's buffer takes them (heads, error bodies)."""
+HANDOFF = 256 << 10
+"""Bodies from this many bytes are offered to the receiver's thread (``Receiver.from_socket``)."""
 MAX_BODY = 16 << 20
 """Largest body accepted into memory (error answers, bodies without a caller's buffer)."""
 
@@ -65,6 +70,11 @@ class Connection(asyncio.BufferedProtocol):
         self._paused = False
         self._head_only = False
         self._direct = False
+        self._sock: int | None = None
+        """The socket's descriptor, when the connection is plain TCP (a receiver's thread may read it)."""
+        self._handoff = False
+        self._job: asyncio.Future[None] | None = None
+        self._stop = threading.Event()
         self._expected = 0
         self._got_any = False
         self._reset_response()
@@ -81,6 +91,9 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and transport.get_extra_info("ssl_object") is None:
+            self._sock = sock.fileno()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -105,7 +118,7 @@ class Connection(asyncio.BufferedProtocol):
             self._landed(nbytes)
             return
         if self._into is not None and self._expected:
-            self._fail(ProtocolError("the transport read while the receiver had no room"))
+            self._fail(ProtocolError("the transport read while the receiver had no room or the socket"))
             return
         if self._parser is None:  # bytes while no request is waiting: the stream is out of step
             self.close()
@@ -114,6 +127,9 @@ class Connection(asyncio.BufferedProtocol):
             self._parser.feed_data(self._scratch[:nbytes])
         except httptools.HttpParserError as exc:
             self._fail(ProtocolError(f"malformed HTTP response: {exc}"))
+            return
+        if self._handoff and self._job is None and not self.closed:
+            self._hand_off()
 
     def eof_received(self) -> bool:
         return False
@@ -148,13 +164,19 @@ class Connection(asyncio.BufferedProtocol):
                 self._fail(ProtocolError(f"server sent {self._expected} bytes for a "
                                          f"{self._into.remaining}-byte range"))
                 return
+            if self._sock is not None and self._expected >= HANDOFF:  # offered once this read is parsed
+                self._handoff = True
+                self._pause()
+                return
             self._direct = True
             self._into.wake = self._resume
             if self._expected == 0:
                 self._finish()
 
     def on_body(self, body: bytes) -> None:
-        if self._direct:  # the part of the body that came in the same read as the head
+        if self._handoff:  # the part of the body that came in the same read as the head
+            self._held += body[:self._expected - len(self._held)]
+        elif self._direct:  # the part of the body that came in the same read as the head
             self._held += body[:self._expected - self.response.received - len(self._held)]
             self._place_held()
         elif len(self._body) + len(body) > MAX_BODY:
@@ -165,8 +187,48 @@ class Connection(asyncio.BufferedProtocol):
     def on_message_complete(self) -> None:
         if 100 <= self.response.status < 200:
             return
-        if not self._direct:
+        if not self._direct and not self._handoff:
             self._finish()
+
+    def _hand_off(self) -> None:
+        """Offer the rest of the body to the receiver's thread; when it declines, receive it here."""
+        assert self._into is not None and self._sock is not None
+        held, self._held = self._held, b""
+        self._stop = threading.Event()
+        start = self._into.count
+        job = self._into.from_socket(self._sock, held, self._expected, self._stop)
+        if job is None:
+            self._handoff, self._held, self._direct = False, held, True
+            self._into.wake = self._resume
+            self._resume()
+            return
+        self._job = job
+        job.add_done_callback(lambda job: self._handed(job, start))
+
+    def _handed(self, job: asyncio.Future[None], start: int) -> None:
+        """The receiver's thread let go of the socket."""
+        self._job, self._handoff = None, False
+        got = self._into.count - start if self._into is not None else 0
+        self.response.received += got
+        if job.cancelled() or job.exception() is not None:
+            self._fail(job.exception() or ProtocolError("the receiver's thread was cancelled"))
+        elif got != self._expected:
+            self._fail(ProtocolError(f"the receiver took {got} of {self._expected} bytes"))
+        else:
+            self._finish()
+
+    async def _let_go(self) -> None:
+        """Stop the receiver's thread, if it holds the socket, and wait until it has let go: the socket may be
+        closed only then (another connection could get its descriptor number)."""
+        job = self._job
+        if job is None:
+            return
+        self._stop.set()
+        while not job.done():
+            try:
+                await asyncio.wait([job])
+            except asyncio.CancelledError:  # cancelled again: the wait for the thread still comes first
+                continue
 
     def _landed(self, n: int) -> None:
         """``n`` body bytes went into the receiver's room."""
@@ -221,12 +283,14 @@ class Connection(asyncio.BufferedProtocol):
         self._reset_response()
         self._parser = httptools.HttpResponseParser(self)
         self._into, self._held, self._direct, self._expected, self._got_any = into, b"", False, 0, False
+        self._handoff = False
         self._head_only = head_only
         self._done = self.loop.create_future()
         try:
             self.transport.writelines([head, *body])
             await self._done
         except BaseException:
+            await self._let_go()
             self.close()
             raise
         finally:
@@ -266,7 +330,7 @@ class Connection(asyncio.BufferedProtocol):
         answer or the server's close)."""
         if self._into is not None:
             self._into.wake = None
-        self._direct, self._expected, self._into, self._held = False, 0, None, b""
+        self._direct, self._handoff, self._expected, self._into, self._held = False, False, 0, None, b""
         if self._paused:
             self._paused = False
             if not self.closed and self.transport is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import functools
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -83,6 +84,13 @@ class Receiver:
     def landed(self, n: int) -> None:
         """``n`` bytes were written at the start of the last ``free()``."""
         self.count += n
+
+    def from_socket(self, sock: int, head: bytes, n: int, stop: threading.Event) -> asyncio.Future[None] | None:
+        """Take the next ``n`` bytes, ``head`` and then the rest read straight from socket ``sock`` (plain TCP,
+        which the caller leaves alone meanwhile), on a worker thread; the future ends once the thread is done
+        with the socket, and ``stop`` set makes it end early. ``count`` grows by the bytes taken, failed or not.
+        None when this receiver cannot (its bytes then land through ``free()``)."""
+        return None
 
     def woken(self) -> None:
         """There is room again: tell whoever waits."""
