@@ -4,11 +4,12 @@
 
 Runs ``fastckpt.upload`` then ``fastckpt.download`` (to /dev/shm, fsync off) of one random file in a
 child process under ``perf record -g`` and sorts every sample by the first frame of its call chain that
-names a stage: socket send / receive (``tcp_sendmsg`` / ``tcp_recvmsg``), file read / write (``vfs_read`` /
-``vfs_write`` of the file), hashing (XXH3), Python (the interpreter), page faults of the buffers, and the
-rest (scheduling, futexes, the event loop's epoll). ``--python-path`` runs another checkout of fastckpt
-(an older commit) for a before / after table. Credentials come from the AWS_* environment; the bucket
-``bench`` must exist. Needs ``perf`` (Debian: linux-perf) and permission to sample the kernel.
+names a stage: socket send / receive (``tcp_sendmsg`` / ``tcp_recvmsg`` or ``tcp_splice_read``), file read /
+write (``vfs_read`` / ``vfs_write`` of the file, or a splice into it), hashing (XXH3), Python (the interpreter),
+page faults of the buffers and mappings, and the rest (scheduling, futexes, the event loop's epoll).
+``--python-path`` runs another checkout of fastckpt (an older commit) for a before / after table.
+Credentials come from the AWS_* environment; the bucket ``bench`` must exist. Needs ``perf`` (Debian:
+linux-perf) and permission to sample the kernel.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from fastckpt.config import parse_size
 
 STAGES = (  # (stage, substrings of a frame), first match from the leaf up wins
     ("hash", ("XXH3", "xxh3", "libxxhash")),
-    ("socket receive", ("tcp_recvmsg", "sock_recvmsg", "sock_read_iter")),
+    ("socket receive", ("tcp_recvmsg", "sock_recvmsg", "sock_read_iter", "tcp_splice_read")),
     ("socket send", ("tcp_sendmsg", "sock_sendmsg", "sock_write_iter")),
-    ("file write", ("vfs_write", "__x64_sys_pwrite", "copy_file_range")),
+    ("file write", ("vfs_write", "__x64_sys_pwrite", "copy_file_range", "iter_file_splice_write")),
     ("file read", ("vfs_read", "filemap_read", "__x64_sys_pread")),
     ("buffer page faults", ("exc_page_fault", "do_user_addr_fault")),
     ("Python", ("_PyEval", "libpython", "PyObject", "python3")),
