@@ -174,7 +174,7 @@ class Connection(asyncio.BufferedProtocol):
                 self._finish()
 
     def on_body(self, body: bytes) -> None:
-        if self._handoff:  # the part of the body that came in the same read as the head
+        if self._handoff:  # held for the receiver's thread, which writes it before what it reads itself
             self._held += body[:self._expected - len(self._held)]
         elif self._direct:  # the part of the body that came in the same read as the head
             self._held += body[:self._expected - self.response.received - len(self._held)]
@@ -210,8 +210,9 @@ class Connection(asyncio.BufferedProtocol):
         self._job, self._handoff = None, False
         got = self._into.count - start if self._into is not None else 0
         self.response.received += got
-        if job.cancelled() or job.exception() is not None:
-            self._fail(job.exception() or ProtocolError("the receiver's thread was cancelled"))
+        exc = ProtocolError("the receiver's thread was cancelled") if job.cancelled() else job.exception()
+        if exc is not None:
+            self._fail(exc)
         elif got != self._expected:
             self._fail(ProtocolError(f"the receiver took {got} of {self._expected} bytes"))
         else:
