@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import ssl
 import threading
 from collections.abc import AsyncIterator, Awaitable
 
 import pytest
+import trustme
 
 from fastckpt.engine import sink as sinks
 from fastckpt.engine.sink import RingSink
@@ -88,6 +90,23 @@ async def server() -> AsyncIterator[tuple[Server, HttpClient]]:
     srv.server = await asyncio.start_server(srv.handle, "127.0.0.1", 0)
     port = srv.server.sockets[0].getsockname()[1]
     client = HttpClient(f"http://127.0.0.1:{port}", limit=4)
+    yield srv, client
+    await client.close()
+    srv.server.close()
+
+
+@pytest.fixture
+async def tls_server() -> AsyncIterator[tuple[Server, HttpClient]]:
+    """The same server behind TLS (a certificate of a throwaway CA that the client trusts)."""
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+    srv = Server()
+    srv.server = await asyncio.start_server(srv.handle, "127.0.0.1", 0, ssl=server_ctx)
+    port = srv.server.sockets[0].getsockname()[1]
+    client = HttpClient(f"https://127.0.0.1:{port}", limit=4, ssl_context=client_ctx)
     yield srv, client
     await client.close()
     srv.server.close()
@@ -307,6 +326,21 @@ async def test_a_body_bound_for_a_file_moves_from_the_socket_on_a_thread(server,
     assert not any(target.ring)  # no byte went through the ring
     resp = await client.request("GET", "/data?start=0&end=4", {}, into=BufferReceiver(memoryview(bytearray(4))))
     assert resp.status == 206 and srv.connections == 1
+
+
+async def test_a_body_over_tls_goes_through_the_ring(tls_server, tmp_path) -> None:
+    """Over TLS the socket carries ciphertext: the body is decrypted by the transport and lands in the ring,
+    never spliced from the socket."""
+    srv, client = tls_server
+    length = 3 << 20
+    target = FileSink(str(tmp_path / "out"), 0, length)
+    try:
+        digests = await target.sink.receive(_received(
+            client.request("GET", f"/data?start=0&end={length}", {}, into=target.sink)))
+    finally:
+        target.close()
+    assert (tmp_path / "out").read_bytes() == DATA and digests == hash_chunks(DATA, 1 << 20)
+    assert any(target.ring) and srv.connections == 1
 
 
 async def _received(request: Awaitable) -> int:
