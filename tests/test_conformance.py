@@ -177,6 +177,24 @@ async def test_multipart_parts_out_of_order(store) -> None:
     assert await s.get_range(uri.join("ooo"), 0, meta.size) == b"".join(chunks)
 
 
+async def test_metadata_known_at_completion_is_the_objects(store) -> None:
+    """The digest is known only when the last part is sent: what ``complete`` is given, ``head`` reports, and a
+    delete leaves nothing behind, not even among hidden keys."""
+    s, uri = store
+    part = part_size_of(s)
+    key = uri.join("late", "meta")
+    mpu = await s.create_multipart(key, part, {"early": "1"})
+    infos = [await mpu.put_part(0, os.urandom(part)), await mpu.put_part(1, b"tail")]
+    await mpu.complete(infos, {"early": "1", "fastckpt-xxh3": "00ff", "fastckpt-chunk": str(part)})
+    meta = await s.head(key)
+    assert {k: meta.metadata.get(k) for k in ("early", "fastckpt-xxh3", "fastckpt-chunk")} == {
+        "early": "1", "fastckpt-xxh3": "00ff", "fastckpt-chunk": str(part)}
+    assert [m.key async for m in s.list(uri.join("late"))] == [key]
+    await s.delete(key)
+    if s.paged:
+        assert (await s.list_page(uri.join("late") + "/")).objects == []
+
+
 async def test_pending_upload_listed_and_aborted(store) -> None:
     s, uri = store
     part = part_size_of(s)

@@ -58,6 +58,27 @@ async def test_permanent_error_aborts_and_leaves_nothing(data_file, tmp_path) ->
     assert await base.list_pending_uploads("") == []
 
 
+class SlowToAnswerCreate(MemoryStore):
+    """Starts a multipart upload at once but answers late, as a server does whose answer is still on the wire."""
+
+    async def create_multipart(self, key, part_size, metadata=None, *, if_absent=False):
+        mpu = await super().create_multipart(key, part_size, metadata, if_absent=if_absent)
+        await asyncio.sleep(0.2)
+        return mpu
+
+
+async def test_an_upload_started_while_a_sibling_fails_is_aborted(data_file, tmp_path) -> None:
+    """A failing small file cancels the big one while its upload is being created: the upload the store
+    started is aborted, not left for gc."""
+    base = SlowToAnswerCreate("sibling")
+    store = FaultInjectingStore(base, fail_after=0, ops={"put"})
+    (tmp_path / "small.bin").write_bytes(b"s" * 100)
+    transfer = Transfer(store, small_config())
+    with pytest.raises(StoreError, match="injected permanent failure"):
+        await transfer.upload_files([(str(data_file), "x/big.bin"), (str(tmp_path / "small.bin"), "x/small.bin")])
+    assert await base.list_pending_uploads("") == []
+
+
 async def test_retries_exhausted_names_the_file(data_file) -> None:
     store = FaultInjectingStore(MemoryStore("exhaust"), error_rate=1.0, ops={"put_part"})
     transfer = Transfer(store, small_config(retries=2))

@@ -198,11 +198,7 @@ def test_stream_roundtrip(store_uri: str, shape: str) -> None:
         assert f.read(17) == data[size // 3 : size // 3 + 17]
     meta = head(fs, path)
     recorded = FileDigest.from_metadata(size, meta.metadata)
-    single_put = size < part
-    if single_put or store_of(fs, path)[0].metadata_on_complete:
-        assert recorded is not None and recorded.chunk_size == part
-    else:  # S3: a streamed multipart upload cannot know its digest when it starts
-        assert recorded is None
+    assert recorded is not None and recorded.chunk_size == part
 
 
 def test_output_stream_metadata_and_visibility(store_uri: str) -> None:
@@ -280,11 +276,8 @@ def test_sequential_reader_prefetches_in_parallel(tmp_path: Path) -> None:
 def test_integrity_checked_on_full_sequential_read(store_uri: str) -> None:
     fs, base = facade(store_uri)
     part = part_size(fs, base)
-    sizes = [part // 2 + 1]
     store = store_of(fs, base)[0]
-    if store.metadata_on_complete:
-        sizes.append(2 * part + 7)  # a streamed multipart object records its digest here too
-    for size in sizes:
+    for size in [part // 2 + 1, 2 * part + 7]:  # one put; a streamed multipart upload
         path = f"{base}/victim-{size}"
         data = os.urandom(size)
         write(fs, path, data)

@@ -34,10 +34,11 @@ from fastckpt import (
     open_store,
     parse_uri,
 )
+from fastckpt.engine import transfer as transfer_module
 from fastckpt.engine.plan import plan_upload
 from fastckpt.engine.transfer import Transfer
 from fastckpt.integrity import META_CHUNK, META_DIGEST, FileDigest
-from fastckpt.stores.s3 import S3Store, resolve_endpoint
+from fastckpt.stores.s3 import RECORD_DIR, RECORD_ETAG, RECORD_MARK, S3Store, resolve_endpoint
 from fastckpt.stores.sigv4 import StaticCredentials, env_credentials
 from harness.faults import FaultInjectingStore
 from harness.procs import free_port
@@ -119,7 +120,7 @@ async def test_many_parts_in_flight_on_one_client(s3_uri, tmp_path) -> None:
     transfer = Transfer(store, small_config())
     try:
         result = await transfer.upload_file(path, uri.join("big"))
-        assert waiting[0] == 6 and gate.is_set()
+        assert waiting[0] == 6 + 1 and gate.is_set()  # six parts, then the record of the completion
         assert await store.client() is client  # one client per store, no per-part clients
         assert await store.get_range(uri.join("big"), 0, len(data)) == data
     finally:
@@ -156,19 +157,57 @@ async def test_permanent_failure_aborts_upload(s3, moto_server, tmp_path, failin
     assert [m async for m in store.list(uri.key)] == []
 
 
-async def test_digest_metadata_on_multipart_object(s3, moto_server, tmp_path) -> None:
+async def test_multipart_digest_is_recorded_after_the_data(s3, moto_server, tmp_path, monkeypatch) -> None:
+    """S3 takes metadata at creation only: the digest goes into a record beside the object once it is complete,
+    so the upload reads the file once (it read it twice, hashing it before the upload began)."""
     store, uri = s3
+    read = [0]
+    hash_and_count = transfer_module.read_and_hash
+
+    def counting(fd: int, offset: int, buf: memoryview) -> bytes:
+        read[0] += buf.nbytes
+        return hash_and_count(fd, offset, buf)
+
+    monkeypatch.setattr(transfer_module, "read_and_hash", counting)
     path, data = make_file(tmp_path, "mp", 2 * PART + 99)
     transfer = Transfer(store, small_config())
-    result = await transfer.upload_file(path, uri.join("mp"))
+    result = await transfer.upload_file(path, uri.join("dir", "mp"))
     transfer.close()
-    raw = raw_client(moto_server).head_object(Bucket=BUCKET, Key=uri.join("mp"))
-    headers = raw["ResponseMetadata"]["HTTPHeaders"]
-    assert headers[f"x-amz-meta-{META_DIGEST}"] == result.digest.digest
-    assert headers[f"x-amz-meta-{META_CHUNK}"] == str(PART)
-    assert raw["ContentLength"] == len(data)
-    meta = await store.head(uri.join("mp"))
+    assert read[0] == len(data)
+    raw = raw_client(moto_server)
+    own = raw.head_object(Bucket=BUCKET, Key=uri.join("dir", "mp"))
+    assert own["ContentLength"] == len(data) and own["Metadata"] == {RECORD_MARK: "1"}
+    record = raw.head_object(Bucket=BUCKET, Key=uri.join("dir", RECORD_DIR, "mp"))
+    assert record["Metadata"] == {META_DIGEST: result.digest.digest, META_CHUNK: str(PART), RECORD_ETAG: own["ETag"]}
+    meta = await store.head(uri.join("dir", "mp"))
     assert meta.metadata == {META_DIGEST: result.digest.digest, META_CHUNK: str(PART)}
+    assert [m.key async for m in store.list(uri.join("dir"))] == [uri.join("dir", "mp")]
+    objects, dirs = await store.list_dir(uri.join("dir"))
+    assert [m.key for m in objects] == [uri.join("dir", "mp")] and dirs == []
+    await store.delete(uri.join("dir", "mp"))
+    assert raw.list_objects_v2(Bucket=BUCKET, Prefix=uri.join("dir")).get("KeyCount") == 0
+
+
+async def test_a_record_checks_only_the_object_it_was_written_for(s3, moto_server, tmp_path) -> None:
+    """A download verifies a multipart object against its record (a wrong digest there fails it); a record left
+    by an earlier version of the object is not used for a later one that stopped before writing its own."""
+    store, uri = s3
+    key = uri.join("rec")
+    path, _ = make_file(tmp_path, "rec", PART + 7)
+    transfer = Transfer(store, small_config())
+    await transfer.upload_file(path, key)
+    raw = raw_client(moto_server)
+    record = raw.head_object(Bucket=BUCKET, Key=uri.join(RECORD_DIR, "rec"))["Metadata"]
+    raw.put_object(Bucket=BUCKET, Key=uri.join(RECORD_DIR, "rec"), Body=b"",
+                   Metadata={**record, META_DIGEST: "0" * 32})
+    with pytest.raises(IntegrityError, match="digest mismatch"):
+        await transfer.download_file(key, str(tmp_path / "back"))
+    assert not (tmp_path / "back").exists()
+    raw.put_object(Bucket=BUCKET, Key=key, Body=b"other bytes", Metadata={RECORD_MARK: "1"})
+    assert (await store.head(key)).metadata == {}
+    await transfer.download_file(key, str(tmp_path / "back"))
+    transfer.close()
+    assert (tmp_path / "back").read_bytes() == b"other bytes"
 
 
 @pytest.mark.parametrize("size", [100_000, PART + 4321], ids=["single_put", "multipart"])
@@ -354,7 +393,6 @@ def test_resolve_endpoint(text: str, options: dict, env: dict, expected: str | N
 def test_part_size_scales_to_s3_limits() -> None:
     store = S3Store(BUCKET)
     assert (store.min_part_size, store.max_parts, store.max_part_size) == (5 << 20, 10_000, 5 << 30)
-    assert not store.metadata_on_complete
     small = plan_upload(100 << 20, TransferConfig(part_size=1 << 20), store)
     assert small.part_size == 5 << 20  # raised to S3's minimum
     huge = plan_upload(1 << 40, TransferConfig(part_size=32 << 20), store)  # 1 TiB
@@ -547,7 +585,8 @@ async def test_client_settings_and_knobs(s3_uri: str, monkeypatch, tmp_path, kno
         await transfer.download_file(uri.join("knobs"), str(tmp_path / "knobs.out"))
         transfer.close()
         assert (tmp_path / "knobs.out").read_bytes() == data
-        assert len(sent) == 2  # no SDK checksum on the data path: XXH3 digests check the bytes end to end
+        assert len(sent) == 2 + 1  # two parts and the record; no SDK checksum on the data path: XXH3 digests
+        # check the bytes end to end
         assert not any(k.startswith(("x-amz-checksum-", "x-amz-trailer")) for h in sent for k in h)
         signed = {h["x-amz-content-sha256"] for h in sent}
         assert signed == ({"UNSIGNED-PAYLOAD"} if knobs == "defaults" else signed - {"UNSIGNED-PAYLOAD"})
@@ -678,7 +717,7 @@ async def test_list_pagination_and_batched_deletes(s3) -> None:
     assert objects == [] and dirs == [uri.join("p")]
     absent = [uri.join(f"gone/{i}") for i in range(2500 - len(keys))]
     await store.delete_many(keys + absent)
-    assert deletes[0] == 3  # 1000 keys per request
+    assert deletes[0] == 5  # 1000 keys per request: 2500 objects and their records
     assert [m async for m in store.list(uri.key)] == []
 
 

@@ -10,10 +10,8 @@
   out (IntegrityError on mismatch).
 - ``copy_object`` copies one object part by part (parallel reads and part uploads).
 
-Digests follow ``fastckpt.integrity``: one XXH3-128 per chunk of ``part_size`` bytes. A backend that
-cannot set metadata when a multipart upload completes (S3: ``metadata_on_complete`` is False) cannot
-learn the digest of a streamed object before its upload starts, so streamed multipart objects carry no
-digest there; single-put objects (smaller than one part) and ``Transfer`` uploads of files always do.
+Digests follow ``fastckpt.integrity``: one XXH3-128 per chunk of ``part_size`` bytes, recorded when the
+object is complete (every object written here carries one).
 
 Every coroutine here runs on one event loop; hashing runs off the loop.
 """

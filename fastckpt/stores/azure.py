@@ -213,7 +213,6 @@ class AzureStore(ReceivingStore):
     min_part_size = 1
     max_part_size = 4000 * MiB
     max_parts = 50_000
-    metadata_on_complete = True
 
     def __init__(self, container: str, options: AzureOptions, *, max_connections: int = 16,
                  connection_timeout: float = 20, read_timeout: float = 60) -> None:

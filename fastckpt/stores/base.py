@@ -146,8 +146,8 @@ class MultipartUpload(abc.ABC):
         """Assemble ``parts`` (sorted by index) into the object; AlreadyExistsError when the upload was
         created ``if_absent`` and the key exists (the upload stays open: ``abort`` it).
 
-        ``metadata`` is applied where the backend can set it at completion
-        (``Store.metadata_on_complete``); otherwise the metadata given at creation stands.
+        ``metadata``, when given, is the object's metadata (the digest is known only now; callers pass what
+        the upload was created with too); ``head`` reports it.
         """
 
     @abc.abstractmethod
@@ -176,8 +176,6 @@ class Store(abc.ABC):
     """Smallest size of a non-final part."""
     max_part_size: int = 5 << 30
     max_parts: int = 10_000
-    metadata_on_complete: bool = True
-    """Whether ``MultipartUpload.complete`` can set object metadata."""
 
     scheme: str = ""
     """The URI scheme ``uri`` writes."""

@@ -210,7 +210,6 @@ class GCSStore(ReceivingStore):
     min_part_size = 1
     max_part_size = 5 << 30
     max_parts = 10_000
-    metadata_on_complete = True
 
     def __init__(self, bucket: str, options: GCSOptions | None = None, *, max_connections: int = 64) -> None:
         self.bucket = bucket

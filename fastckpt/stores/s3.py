@@ -16,6 +16,14 @@ uploads, metadata a header cannot carry) goes through aiobotocore, whose own ret
 (``stores.retry`` retries); an endpoint never reached raises StoreError at once. botocore, aiobotocore and
 aiohttp are imported on first use: with the keys in the environment (``sigv4.env_credentials``) and an
 endpoint of one's own, a restore never loads them.
+
+S3 takes an object's metadata when its multipart upload is created, before a byte of it is read; what is
+known only at completion (the digest) goes into a record beside the object, written once the object is
+complete: ``<dir>/.fastckpt-meta/<name>``, an empty object whose metadata is the record and the ETag of the
+object it belongs to. The object says at creation that it has one (``x-amz-meta-fastckpt-record``) and
+``head`` merges it in, so an upload reads each file once. A record is hidden from listings and deleted with
+its object; one left by an earlier version of the object names another ETag and is not used. A writer that
+loses a create-if-absent race never completes, so it never writes a record.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import secrets
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -95,6 +103,11 @@ ERRORS = ErrorTable(
            **dict.fromkeys(("ExpiredToken", "InvalidToken", "TokenRefreshRequired"),
                            "session token rejected; refresh credentials")},
 )
+RECORD_DIR = ".fastckpt-meta"
+RECORD_MARK = "fastckpt-record"
+"""Metadata an object gets at creation when its record may follow (see the module docstring)."""
+RECORD_ETAG = "fastckpt-etag"
+"""The record's metadata naming the ETag of the object it was written for."""
 _NO_CONDITIONAL_CODES = {"NotImplemented", "InvalidArgument", "InvalidRequest", "UnsupportedOperation"}
 
 LAZY_IMPORTS = ("aiobotocore", "botocore", "aiohttp")
@@ -180,6 +193,12 @@ def _metadata_headers(metadata: dict[str, str] | None) -> dict[str, str] | None:
     return {f"x-amz-meta-{k}": v for k, v in items}
 
 
+def record_of(key: str) -> str:
+    """The key of object ``key``'s record."""
+    head, _, name = key.rpartition("/")
+    return f"{head}/{RECORD_DIR}/{name}" if head else f"{RECORD_DIR}/{name}"
+
+
 def resolve_endpoint(options: Mapping[str, str], environ: Mapping[str, str] = os.environ) -> str | None:
     """Endpoint URL from ``endpoint_override`` (+ ``scheme``), else the AWS endpoint env vars."""
     endpoint = options.get("endpoint_override") or None
@@ -203,11 +222,14 @@ def _content_md5(request: Any, **_: Any) -> None:
 class S3Upload(MultipartUpload):
     """One S3 multipart upload; parts are numbered ``index + 1``."""
 
-    def __init__(self, store: S3Store, key: str, upload_id: str, if_absent: bool = False) -> None:
+    def __init__(self, store: S3Store, key: str, upload_id: str, if_absent: bool = False,
+                 created: dict[str, str] | None = None) -> None:
         self.key, self.upload_id = key, upload_id
         self._store, self._if_absent = store, if_absent
+        self._created = created or {}
         self._finished = False
         self._complete_sent = False
+        self._etag = ""
         self.stored: dict[int, PartInfo] = {}
 
     async def put_part(self, index: int, data: Buffer) -> PartInfo:
@@ -218,9 +240,17 @@ class S3Upload(MultipartUpload):
         return PartInfo(index, memoryview(data).nbytes, resp.headers.get("etag", ""))
 
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
-        """Assemble the parts; ``metadata`` is ignored (S3 takes it at creation only)."""
-        if self._finished:
-            raise StoreError(f"multipart upload of {self._store.where(self.key)} is no longer active")
+        """Assemble the parts, then record what of ``metadata`` the upload was not created with (a retry after
+        the parts were assembled writes the record only)."""
+        if not self._finished:
+            self._etag = await self._assemble(parts)
+            self._finished = True
+        record = {k: v for k, v in (metadata or {}).items() if self._created.get(k) != v}
+        if record:
+            await self._store.put_record(self.key, self._etag, record)
+
+    async def _assemble(self, parts: list[PartInfo]) -> str:
+        """CompleteMultipartUpload; the object's ETag."""
         listing = "".join(f"<Part><PartNumber>{p.index + 1}</PartNumber><ETag>{escape(p.token)}</ETag></Part>"
                           for p in sorted(parts, key=lambda p: p.index))
         body = f'<CompleteMultipartUpload xmlns="{_XMLNS}">{listing}</CompleteMultipartUpload>'.encode()
@@ -233,9 +263,15 @@ class S3Upload(MultipartUpload):
                 raise self._store.answer_error(resp, "POST", self.key, self._if_absent)
         except _NoSuchUpload:
             # A retried complete whose first attempt succeeded but lost its response.
-            if not retry or not await self._store.exists_with_size(self.key, sum(p.size for p in parts)):
-                raise
-        self._finished = True
+            if retry:
+                found = await self._store.plain_head(self.key)
+                if found is not None and found.size == sum(p.size for p in parts):
+                    return found.etag or ""
+            raise
+        try:
+            return _fields(ElementTree.fromstring(resp.body)).get("ETag", "")
+        except ElementTree.ParseError:
+            return ""
 
     async def abort(self) -> None:
         if self._finished:
@@ -256,7 +292,6 @@ class S3Store(ReceivingStore):
     min_part_size = 5 * MiB
     max_part_size = 5 << 30
     max_parts = 10_000
-    metadata_on_complete = False
 
     def __init__(self, bucket: str, options: S3Options | None = None, *,
                  max_pool_connections: int = 8 + POOL_HEADROOM, page_size: int = 1000) -> None:
@@ -572,7 +607,27 @@ class S3Store(ReceivingStore):
             answer = await self.send("HEAD", key, {}, {})
         except ObjectNotFoundError:
             raise await self._missing(key) from None
+        return await self._with_record(_meta_of(key, answer.headers, int(answer.headers.get("content-length", 0))))
+
+    async def plain_head(self, key: str) -> ObjectMeta | None:
+        """The object's own metadata (no record merged in); None when it is absent."""
+        try:
+            answer = await self.send("HEAD", key, {}, {})
+        except ObjectNotFoundError:
+            return None
         return _meta_of(key, answer.headers, int(answer.headers.get("content-length", 0)))
+
+    async def _with_record(self, meta: ObjectMeta) -> ObjectMeta:
+        """``meta`` with its record's metadata merged in, when it has one (see the module docstring)."""
+        if RECORD_MARK not in meta.metadata:
+            return meta
+        metadata = {k: v for k, v in meta.metadata.items() if k != RECORD_MARK}
+        record = await self.plain_head(record_of(meta.key))
+        if record is not None and meta.etag and record.metadata.get(RECORD_ETAG) == meta.etag:
+            metadata.update((k, v) for k, v in record.metadata.items() if k != RECORD_ETAG)
+        else:  # none, or an earlier version's: the upload stopped after completing, or a writer raced it
+            log.debug("%s has no record of its completion", self.where(meta.key))
+        return replace(meta, metadata=metadata)
 
     async def read_with_meta(self, key: str, buf: memoryview) -> tuple[ObjectMeta, int]:
         """One ranged GET from the start: its answer's headers carry the object's size and metadata."""
@@ -583,14 +638,7 @@ class S3Store(ReceivingStore):
             return await super().read_with_meta(key, buf)
         total = resp.headers.get("content-range", "").rpartition("/")[2]
         size = int(total) if resp.status == 206 and total.isdigit() else resp.received
-        return _meta_of(key, resp.headers, size), resp.received
-
-    async def exists_with_size(self, key: str, size: int) -> bool:
-        """Whether ``key`` exists with ``size`` bytes."""
-        try:
-            return (await self.head(key)).size == size
-        except ObjectNotFoundError:
-            return False
+        return await self._with_record(_meta_of(key, resp.headers, size)), resp.received
 
     async def receive(self, key: str, start: int, length: int, into: Receiver) -> int:
         """One ranged GET, its body received straight by ``into``."""
@@ -685,14 +733,30 @@ class S3Store(ReceivingStore):
             with contextlib.suppress(StoreError):
                 await self.call("delete_object", probe, Key=probe)
 
+    async def put_record(self, key: str, etag: str, metadata: dict[str, str]) -> None:
+        """Record ``metadata`` for object ``key`` as completed with ``etag`` (replacing an earlier version's)."""
+        if not etag:  # a server that did not name it in its answer to the completion
+            found = await self.plain_head(key)
+            etag = found.etag or "" if found is not None else ""
+        if not etag:
+            raise StoreError(f"{self.where(key)}: {self.endpoint} completed the upload without naming its ETag",
+                             key=key, backend="s3")
+        await self.put(record_of(key), b"", metadata={**metadata, RECORD_ETAG: etag})
+
+    def is_hidden(self, key: str) -> bool:
+        """Records of objects' completions."""
+        return f"/{RECORD_DIR}/" in f"/{key}"
+
     async def delete(self, key: str) -> None:
-        await self.call("delete_object", key, Key=key)
+        await self.delete_many([key])
 
     async def delete_many(self, keys: list[str]) -> None:
-        """DeleteObjects in batches of 1000; the first per-key error is raised after all batches."""
+        """DeleteObjects in batches of 1000, each object with its record; the first per-key error is raised
+        after all batches."""
+        doomed = [*keys, *(record_of(k) for k in keys if not self.is_hidden(k))]
         failures: list[dict[str, Any]] = []
-        for i in range(0, len(keys), DELETE_BATCH):
-            batch = keys[i : i + DELETE_BATCH]
+        for i in range(0, len(doomed), DELETE_BATCH):
+            batch = doomed[i : i + DELETE_BATCH]
             resp = await self.call("delete_objects", batch[0], Delete={
                 "Objects": [{"Key": k} for k in batch], "Quiet": True})
             failures += resp.get("Errors", [])
@@ -701,22 +765,23 @@ class S3Store(ReceivingStore):
             code = first.get("Code", "")
             error = self._service_error(403 if code == "AccessDenied" else 400, code, first.get("Message", ""),
                                         first.get("Key", ""), False)
-            raise type(error)(f"{len(failures)} of {len(keys)} deletes failed; first: {error}")
+            raise type(error)(f"{len(failures)} of {len(doomed)} deletes failed; first: {error}")
 
     async def create_multipart(
         self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
     ) -> MultipartUpload:
-        headers = _metadata_headers(metadata)
+        created = dict(metadata or {})
+        headers = _metadata_headers({**created, RECORD_MARK: "1"})
         if headers is None:  # metadata HTTP headers cannot carry as is: botocore encodes it
-            resp = await self.call("create_multipart_upload", key, Key=key, Metadata=dict(metadata or {}))
-            return S3Upload(self, key, resp["UploadId"], if_absent)
+            resp = await self.call("create_multipart_upload", key, Key=key, Metadata={**created, RECORD_MARK: "1"})
+            return S3Upload(self, key, resp["UploadId"], if_absent, created)
         answer = await self.send("POST", key, {"uploads": ""}, headers)
         try:
             upload_id = _fields(ElementTree.fromstring(answer.body))["UploadId"]
         except (ElementTree.ParseError, KeyError) as exc:
             raise StoreError(f"{self.where(key)}: {self.endpoint} started a multipart upload without naming it",
                              key=key, backend="s3") from exc
-        return S3Upload(self, key, upload_id, if_absent)
+        return S3Upload(self, key, upload_id, if_absent, created)
 
     async def resume_multipart(self, key: str, upload_id: str, part_size: int, *,
                                if_absent: bool = False) -> MultipartUpload | None:
