@@ -188,6 +188,31 @@ async def test_multipart_digest_is_recorded_after_the_data(s3, moto_server, tmp_
     assert raw.list_objects_v2(Bucket=BUCKET, Prefix=uri.join("dir")).get("KeyCount") == 0
 
 
+async def test_without_digest_records_the_objects_stand_alone(s3_uri, moto_server, tmp_path, monkeypatch) -> None:
+    """``FASTCKPT_S3_DIGEST_RECORDS=0``: nothing but the objects (for readers that list with other tools); the
+    digest goes with the upload's creation, so the file is hashed before it is sent (read twice)."""
+    monkeypatch.setenv("FASTCKPT_S3_DIGEST_RECORDS", "0")
+    read = [0]
+    hash_and_count = transfer_module.read_and_hash
+
+    def counting(fd: int, offset: int, buf: memoryview) -> bytes:
+        read[0] += buf.nbytes
+        return hash_and_count(fd, offset, buf)
+
+    monkeypatch.setattr(transfer_module, "read_and_hash", counting)
+    uri = parse_uri(s3_uri)
+    path, data = make_file(tmp_path, "alone", 2 * PART + 5)
+    async with open_store(uri, small_config()) as store:
+        assert not store.metadata_on_complete
+        transfer = Transfer(store, small_config())
+        result = await transfer.upload_file(path, uri.join("alone"))
+        transfer.close()
+        assert (await store.head(uri.join("alone"))).metadata == result.digest.metadata()
+    assert read[0] == 2 * len(data)
+    listed = raw_client(moto_server).list_objects_v2(Bucket=BUCKET, Prefix=uri.key)["Contents"]
+    assert [o["Key"] for o in listed] == [uri.join("alone")]
+
+
 async def test_a_record_checks_only_the_object_it_was_written_for(s3, moto_server, tmp_path) -> None:
     """A download verifies a multipart object against its record (a wrong digest there fails it); a record left
     by an earlier version of the object is not used for a later one that stopped before writing its own."""

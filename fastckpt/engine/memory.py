@@ -98,7 +98,8 @@ async def upload_layout(transfer: Transfer, layout: Layout, key: str, *, if_abse
                 raise
         transfer.progress.advance(layout.size)
         return digest, chunks
-    mpu = await transfer.start_upload(key, plan.part_size, if_absent)
+    early = None if store.metadata_on_complete else meta  # otherwise it goes with the completion
+    mpu = await transfer.start_upload(key, plan.part_size, early, if_absent)
     # parts written into one local file go one at a time: concurrent writers only spin on its inode lock
     slots = asyncio.Semaphore(1 if mpu.local_fd() is not None else max(1, config.max_in_flight))
 

@@ -11,7 +11,9 @@
 - ``copy_object`` copies one object part by part (parallel reads and part uploads).
 
 Digests follow ``fastckpt.integrity``: one XXH3-128 per chunk of ``part_size`` bytes, recorded when the
-object is complete (every object written here carries one).
+object is complete. A store that cannot record metadata then (``metadata_on_complete`` False: S3 with its
+digest records turned off) cannot learn a streamed object's digest before its upload starts, so streamed
+multipart objects carry none there; single-put objects and ``Transfer`` uploads of files always do.
 
 Every coroutine here runs on one event loop; hashing runs off the loop.
 """

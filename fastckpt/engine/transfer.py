@@ -143,12 +143,15 @@ class Transfer:
 
     async def _upload_multipart(self, fd: int, plan: Plan, key: str, path: str, if_absent: bool,
                                 failed: asyncio.Event, batch: int) -> FileDigest:
-        journal, stale = self._upload_journal(fd, plan, key, path, if_absent)
+        pre: FileDigest | None = None
+        if self.config.digest_metadata and not self.store.metadata_on_complete:
+            pre = await self._hash_file(fd, plan)  # the digest must go with the upload's creation
+        journal, stale = self._upload_journal(fd, plan, key, path, if_absent, pre)
         if stale:  # left by an earlier run of this upload whose source has changed since
             await self._abort_quietly(key, stale)
         mpu = await self._resume(journal, key, plan, if_absent)
         if mpu is None:
-            mpu = await self.start_upload(key, plan.part_size, if_absent)
+            mpu = await self.start_upload(key, plan.part_size, pre.metadata() if pre else None, if_absent)
             if journal is not None:
                 journal.start(upload_id=mpu.upload_id)
         try:
@@ -158,6 +161,8 @@ class Transfer:
             else:
                 results = await gather_all(self._send_part(fd, plan, i, mpu, journal) for i in range(plan.count))
             digest = FileDigest(plan.size, plan.part_size, combine([d for _, d in results]))
+            if pre is not None and pre.digest != digest.digest:
+                raise IntegrityError(f"{path} changed while it was being uploaded to {key}")
             meta = digest.metadata() if self.config.digest_metadata else None
             await mpu.complete([p for p, _ in results], meta)
         except AlreadyExistsError:
@@ -177,15 +182,16 @@ class Transfer:
             journal.remove()
         return digest
 
-    def _upload_journal(self, fd: int, plan: Plan, key: str, path: str, if_absent: bool
-                        ) -> tuple[Journal | None, str | None]:
+    def _upload_journal(self, fd: int, plan: Plan, key: str, path: str, if_absent: bool,
+                        pre: FileDigest | None) -> tuple[Journal | None, str | None]:
         """The journal of this upload, loaded when an earlier run of it left one (None: ``resume`` is off),
         and the id of an upload left by an earlier run of it whose source differed (to abort)."""
         if not self.config.resume:
             return None, None
         st = os.fstat(fd)
         journal = Journal.for_upload(state_dir(self.config.state_dir), self.store.uri(key), path, {
-            "size": plan.size, "mtime_ns": st.st_mtime_ns, "part_size": plan.part_size, "if_absent": if_absent})
+            "size": plan.size, "mtime_ns": st.st_mtime_ns, "part_size": plan.part_size, "if_absent": if_absent,
+            "digest": pre.digest if pre else None})
         found = journal.load()
         stale = found.get("upload_id") if found is not None and not journal.resumed else None
         return journal, str(stale) if stale else None
@@ -209,10 +215,11 @@ class Transfer:
         except StoreError as exc:
             log.warning("could not abort the stale upload of %s: %s", key, exc)
 
-    async def start_upload(self, key: str, part_size: int, if_absent: bool) -> MultipartUpload:
+    async def start_upload(self, key: str, part_size: int, metadata: dict[str, str] | None, if_absent: bool
+                           ) -> MultipartUpload:
         """``create_multipart``, not cut short by a cancellation: an upload the server started for a caller
         cancelled meanwhile (a sibling failed) is aborted, never left behind."""
-        create = asyncio.ensure_future(self.store.create_multipart(key, part_size, if_absent=if_absent))
+        create = asyncio.ensure_future(self.store.create_multipart(key, part_size, metadata, if_absent=if_absent))
         try:
             return await asyncio.shield(create)
         except asyncio.CancelledError:

@@ -147,7 +147,7 @@ class MultipartUpload(abc.ABC):
         created ``if_absent`` and the key exists (the upload stays open: ``abort`` it).
 
         ``metadata``, when given, is the object's metadata (the digest is known only now; callers pass what
-        the upload was created with too); ``head`` reports it.
+        the upload was created with too) where ``Store.metadata_on_complete``; ``head`` reports it.
         """
 
     @abc.abstractmethod
@@ -176,6 +176,9 @@ class Store(abc.ABC):
     """Smallest size of a non-final part."""
     max_part_size: int = 5 << 30
     max_parts: int = 10_000
+    metadata_on_complete: bool = True
+    """Whether ``MultipartUpload.complete`` records metadata; False: only what the upload was created with
+    stands (the engine then hashes a file before its upload starts)."""
 
     scheme: str = ""
     """The URI scheme ``uri`` writes."""

@@ -95,7 +95,7 @@ class RetryingStore(Store):
         self.inner, self.config = inner, config
         self.name, self.scheme, self.bucket, self.options = inner.name, inner.scheme, inner.bucket, inner.options
         self.min_part_size, self.max_part_size = inner.min_part_size, inner.max_part_size
-        self.max_parts = inner.max_parts
+        self.max_parts, self.metadata_on_complete = inner.max_parts, inner.metadata_on_complete
 
     def __getattr__(self, name: str) -> Any:  # backend specifics (bucket, endpoint, client ...)
         inner = self.__dict__.get("inner")

@@ -23,7 +23,9 @@ complete: ``<dir>/.fastckpt-meta/<name>``, an empty object whose metadata is the
 object it belongs to. The object says at creation that it has one (``x-amz-meta-fastckpt-record``) and
 ``head`` merges it in, so an upload reads each file once. A record is hidden from listings and deleted with
 its object; one left by an earlier version of the object names another ETag and is not used. A writer that
-loses a create-if-absent race never completes, so it never writes a record.
+loses a create-if-absent race never completes, so it never writes a record. With
+``FASTCKPT_S3_DIGEST_RECORDS=0`` (for readers that want the objects alone) no record is written:
+``metadata_on_complete`` is then False and the engine hashes a file before its upload starts.
 """
 
 from __future__ import annotations
@@ -240,13 +242,13 @@ class S3Upload(MultipartUpload):
         return PartInfo(index, memoryview(data).nbytes, resp.headers.get("etag", ""))
 
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
-        """Assemble the parts, then record what of ``metadata`` the upload was not created with (a retry after
-        the parts were assembled writes the record only)."""
+        """Assemble the parts, then record what of ``metadata`` the upload was not created with, where records
+        are on (a retry after the parts were assembled writes the record only)."""
         if not self._finished:
             self._etag = await self._assemble(parts)
             self._finished = True
         record = {k: v for k, v in (metadata or {}).items() if self._created.get(k) != v}
-        if record:
+        if record and self._store.metadata_on_complete:
             await self._store.put_record(self.key, self._etag, record)
 
     async def _assemble(self, parts: list[PartInfo]) -> str:
@@ -292,6 +294,10 @@ class S3Store(ReceivingStore):
     min_part_size = 5 * MiB
     max_part_size = 5 << 30
     max_parts = 10_000
+
+    @property
+    def metadata_on_complete(self) -> bool:  # type: ignore[override]
+        return self.options.digest_records
 
     def __init__(self, bucket: str, options: S3Options | None = None, *,
                  max_pool_connections: int = 8 + POOL_HEADROOM, page_size: int = 1000) -> None:
@@ -771,9 +777,10 @@ class S3Store(ReceivingStore):
         self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
     ) -> MultipartUpload:
         created = dict(metadata or {})
-        headers = _metadata_headers({**created, RECORD_MARK: "1"})
+        marked = {**created, RECORD_MARK: "1"} if self.metadata_on_complete else created
+        headers = _metadata_headers(marked)
         if headers is None:  # metadata HTTP headers cannot carry as is: botocore encodes it
-            resp = await self.call("create_multipart_upload", key, Key=key, Metadata={**created, RECORD_MARK: "1"})
+            resp = await self.call("create_multipart_upload", key, Key=key, Metadata=marked)
             return S3Upload(self, key, resp["UploadId"], if_absent, created)
         answer = await self.send("POST", key, {"uploads": ""}, headers)
         try:
@@ -844,6 +851,8 @@ class S3Options:
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
     if_absent_mode: str = "auto"
+    digest_records: bool = True
+    """Record the digest after the data (module doc); off: objects only, hashed before their upload."""
 
     @classmethod
     def from_uri(cls, uri: StorageURI, env: Mapping[str, str] = os.environ) -> S3Options:
@@ -863,6 +872,7 @@ class S3Options:
             connect_timeout=float(env.get("FASTCKPT_S3_CONNECT_TIMEOUT", "10")),
             read_timeout=float(env.get("FASTCKPT_S3_READ_TIMEOUT", "60")),
             if_absent_mode=env.get("FASTCKPT_S3_IF_ABSENT", "auto").strip().lower(),
+            digest_records=_truthy(env.get("FASTCKPT_S3_DIGEST_RECORDS", "1")),
         )
 
     def query(self) -> dict[str, str]:
