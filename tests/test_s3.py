@@ -157,10 +157,9 @@ async def test_permanent_failure_aborts_upload(s3, moto_server, tmp_path, failin
     assert [m async for m in store.list(uri.key)] == []
 
 
-async def test_multipart_digest_is_recorded_after_the_data(s3, moto_server, tmp_path, monkeypatch) -> None:
-    """S3 takes metadata at creation only: the digest goes into a record beside the object once it is complete,
-    so the upload reads the file once (it read it twice, hashing it before the upload began)."""
-    store, uri = s3
+@pytest.fixture
+def bytes_read(monkeypatch) -> list[int]:
+    """A one-item list counting the bytes uploads read (and hash) from their files."""
     read = [0]
     hash_and_count = transfer_module.read_and_hash
 
@@ -169,11 +168,18 @@ async def test_multipart_digest_is_recorded_after_the_data(s3, moto_server, tmp_
         return hash_and_count(fd, offset, buf)
 
     monkeypatch.setattr(transfer_module, "read_and_hash", counting)
+    return read
+
+
+async def test_multipart_digest_is_recorded_after_the_data(s3, moto_server, tmp_path, bytes_read) -> None:
+    """S3 takes metadata at creation only: the digest goes into a record beside the object once it is complete,
+    so the upload reads the file once (it read it twice, hashing it before the upload began)."""
+    store, uri = s3
     path, data = make_file(tmp_path, "mp", 2 * PART + 99)
     transfer = Transfer(store, small_config())
     result = await transfer.upload_file(path, uri.join("dir", "mp"))
     transfer.close()
-    assert read[0] == len(data)
+    assert bytes_read[0] == len(data)
     raw = raw_client(moto_server)
     own = raw.head_object(Bucket=BUCKET, Key=uri.join("dir", "mp"))
     assert own["ContentLength"] == len(data) and own["Metadata"] == {RECORD_MARK: "1"}
@@ -188,18 +194,11 @@ async def test_multipart_digest_is_recorded_after_the_data(s3, moto_server, tmp_
     assert raw.list_objects_v2(Bucket=BUCKET, Prefix=uri.join("dir")).get("KeyCount") == 0
 
 
-async def test_without_digest_records_the_objects_stand_alone(s3_uri, moto_server, tmp_path, monkeypatch) -> None:
+async def test_without_digest_records_the_objects_stand_alone(s3_uri, moto_server, tmp_path, monkeypatch,
+                                                             bytes_read) -> None:
     """``FASTCKPT_S3_DIGEST_RECORDS=0``: nothing but the objects (for readers that list with other tools); the
     digest goes with the upload's creation, so the file is hashed before it is sent (read twice)."""
     monkeypatch.setenv("FASTCKPT_S3_DIGEST_RECORDS", "0")
-    read = [0]
-    hash_and_count = transfer_module.read_and_hash
-
-    def counting(fd: int, offset: int, buf: memoryview) -> bytes:
-        read[0] += buf.nbytes
-        return hash_and_count(fd, offset, buf)
-
-    monkeypatch.setattr(transfer_module, "read_and_hash", counting)
     uri = parse_uri(s3_uri)
     path, data = make_file(tmp_path, "alone", 2 * PART + 5)
     async with open_store(uri, small_config()) as store:
@@ -208,7 +207,7 @@ async def test_without_digest_records_the_objects_stand_alone(s3_uri, moto_serve
         result = await transfer.upload_file(path, uri.join("alone"))
         transfer.close()
         assert (await store.head(uri.join("alone"))).metadata == result.digest.metadata()
-    assert read[0] == 2 * len(data)
+    assert bytes_read[0] == 2 * len(data)
     listed = raw_client(moto_server).list_objects_v2(Bucket=BUCKET, Prefix=uri.key)["Contents"]
     assert [o["Key"] for o in listed] == [uri.join("alone")]
 
