@@ -146,8 +146,8 @@ class MultipartUpload(abc.ABC):
         """Assemble ``parts`` (sorted by index) into the object; AlreadyExistsError when the upload was
         created ``if_absent`` and the key exists (the upload stays open: ``abort`` it).
 
-        ``metadata``, when given, is the object's metadata (the digest is known only now; callers pass what
-        the upload was created with too) where ``Store.metadata_on_complete``; ``head`` reports it.
+        Where ``Store.metadata_on_complete``, ``metadata`` (when given) becomes the object's metadata, which
+        ``head`` reports: the digest is known only now; callers pass what the upload was created with too.
         """
 
     @abc.abstractmethod
