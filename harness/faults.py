@@ -115,6 +115,9 @@ class FaultInjectingStore(Store):
     async def abort_pending_upload(self, upload: PendingUpload) -> None:
         await self.inner.abort_pending_upload(upload)
 
+    async def list_orphans(self, prefix: str = "", older_than: float = 0.0) -> list[str]:
+        return await self.inner.list_orphans(prefix, older_than)
+
 
 class _FaultyUpload(MultipartUpload):
     def __init__(self, store: FaultInjectingStore, inner: MultipartUpload) -> None:

@@ -212,6 +212,29 @@ async def test_without_digest_records_the_objects_stand_alone(s3_uri, moto_serve
     assert [o["Key"] for o in listed] == [uri.join("alone")]
 
 
+async def test_gc_removes_records_no_object_uses(s3, moto_server, tmp_path) -> None:
+    """Records of objects deleted or replaced by other tools go with gc; a record in use stays."""
+    store, uri = s3
+    transfer = Transfer(store, small_config())
+    for name in ("kept", "deleted", "replaced"):
+        path, _ = make_file(tmp_path, name, PART + 3)
+        await transfer.upload_file(path, uri.join("d", name))
+    transfer.close()
+    raw = raw_client(moto_server)
+    raw.delete_object(Bucket=BUCKET, Key=uri.join("d", "deleted"))
+    raw.put_object(Bucket=BUCKET, Key=uri.join("d", "replaced"), Body=b"plain")
+    records = sorted(uri.join("d", RECORD_DIR, n) for n in ("deleted", "replaced"))
+    below = uri.with_key(uri.join("d")).uri()
+    report = await fastckpt.gc_async(below, older_than_s=0, dry_run=True, config=small_config())
+    assert sorted(report.removed) == records
+    assert len(raw.list_objects_v2(Bucket=BUCKET, Prefix=uri.join("d"))["Contents"]) == 5
+    report = await fastckpt.gc_async(below, older_than_s=0, config=small_config())
+    assert sorted(report.removed) == records
+    left = [o["Key"] for o in raw.list_objects_v2(Bucket=BUCKET, Prefix=uri.join("d"))["Contents"]]
+    assert sorted(left) == sorted([uri.join("d", n) for n in ("kept", f"{RECORD_DIR}/kept", "replaced")])
+    assert FileDigest.from_metadata(PART + 3, (await store.head(uri.join("d", "kept"))).metadata) is not None
+
+
 async def test_a_record_checks_only_the_object_it_was_written_for(s3, moto_server, tmp_path) -> None:
     """A download verifies a multipart object against its record (a wrong digest there fails it); a record left
     by an earlier version of the object is not used for a later one that stopped before writing its own."""

@@ -379,8 +379,11 @@ async def gc_async(uri: str | StorageURI, older_than_s: float = 24 * 3600.0, dry
       uploads are aborted;
     - in a committed checkpoint: manifests of other attempts, data files its manifests do not name, and
       stale multipart uploads;
-    - below a sub-prefix without ``.fastckpt/``: only stale multipart uploads.
-    Corrupt checkpoints are left alone. With ``dry_run`` nothing is removed.
+    - below a sub-prefix without ``.fastckpt/``: only stale multipart uploads;
+    - anywhere below the prefix: the backend's bookkeeping that no object uses any more (S3's digest records
+      of objects deleted or replaced by other tools).
+    Corrupt checkpoints are left alone. With ``dry_run`` nothing is removed. Like the rest of gc, meant for
+    what nobody is writing to any more.
     """
     async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> GcReport:
         report = GcReport(dry_run)
@@ -393,6 +396,10 @@ async def gc_async(uri: str | StorageURI, older_than_s: float = 24 * 3600.0, dry
             pending.setdefault(root, []).append(up)
         for key in sorted(set(found) | set(pending)):
             await _gc_one(store, base, key, key in found, pending.get(key, []), now - older_than_s, cfg, report)
+        orphans = await store.list_orphans(base.key, now - older_than_s)
+        report.removed.extend(orphans)
+        if orphans and not dry_run:
+            await store.delete_many(orphans)
         return report
 
     return await _with_store(uri, config, run)

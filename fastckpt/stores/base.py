@@ -353,6 +353,11 @@ class Store(abc.ABC):
     async def abort_pending_upload(self, upload: PendingUpload) -> None:  # noqa: B027 - none by default
         """Abort an upload found by ``list_pending_uploads``."""
 
+    async def list_orphans(self, prefix: str = "", older_than: float = 0.0) -> list[str]:
+        """Hidden keys under ``prefix`` last written before ``older_than`` (a time) that belong to no object any
+        more (for gc; ``delete_many`` removes them)."""
+        return []
+
 
 class ReceivingStore(Store):
     """A store whose reads are ``receive`` requests (the HTTP data path): ``get_range`` and ``read_into``

@@ -215,6 +215,10 @@ class RetryingStore(Store):
     async def abort_pending_upload(self, upload: PendingUpload) -> None:
         await self._retry(f"abort of upload of {upload.key}", lambda: self.inner.abort_pending_upload(upload))
 
+    async def list_orphans(self, prefix: str = "", older_than: float = 0.0) -> list[str]:
+        return await self._retry(f"listing of orphans below {prefix!r}",
+                                 lambda: self.inner.list_orphans(prefix, older_than))
+
 
 class _RetryingUpload(MultipartUpload):
     def __init__(self, store: RetryingStore, inner: MultipartUpload) -> None:

@@ -825,6 +825,25 @@ class S3Store(ReceivingStore):
     async def abort_pending_upload(self, upload: PendingUpload) -> None:
         await self.abort_upload(upload.key, upload.upload_id)
 
+    async def list_orphans(self, prefix: str = "", older_than: float = 0.0) -> list[str]:
+        """Records whose object is gone, or was replaced without one (another ETag)."""
+        base = prefix.strip("/")
+        metas = {m.key: m async for page in self._pages(base + "/" if base else "") for m in page.objects}
+        if base:
+            metas.update((m.key, m) for m in [await self.plain_head(base)] if m is not None)
+        orphans = []
+        for key, meta in metas.items():
+            head, _, name = key.rpartition(f"{RECORD_DIR}/")
+            if not self.is_hidden(key) or meta.mtime > older_than or "/" in name:
+                continue
+            owner = metas.get(head + name)
+            if owner is not None:
+                record = await self.plain_head(key)
+                if record is None or record.metadata.get(RECORD_ETAG) == owner.etag:
+                    continue
+            orphans.append(key)
+        return orphans
+
     async def abort_upload(self, key: str, upload_id: str) -> None:
         """AbortMultipartUpload; one completed or aborted already is not an error."""
         with contextlib.suppress(_NoSuchUpload):
