@@ -609,11 +609,10 @@ class S3Store(ReceivingStore):
     # ----------------------------------------------------------------------------- reads
 
     async def head(self, key: str) -> ObjectMeta:
-        try:
-            answer = await self.send("HEAD", key, {}, {})
-        except ObjectNotFoundError:
-            raise await self._missing(key) from None
-        return await self._with_record(_meta_of(key, answer.headers, int(answer.headers.get("content-length", 0))))
+        meta = await self.plain_head(key)
+        if meta is None:
+            raise await self._missing(key)
+        return await self._with_record(meta)
 
     async def plain_head(self, key: str) -> ObjectMeta | None:
         """The object's own metadata (no record merged in); None when it is absent."""
