@@ -61,7 +61,8 @@ def profile(direction: str, uri: str, src: str, dst: str, python_path: str | Non
     data, mark = os.path.join(workdir, f"{direction}.perf"), os.path.join(workdir, f"{direction}.start")
     env = {**os.environ, **({"PYTHONPATH": python_path} if python_path else {})}
     subprocess.run(["perf", "record", "-q", "-k", "CLOCK_MONOTONIC", "-F", "999", "-g", "-o", data, "--",
-                    sys.executable, "-c", CHILD, direction, uri, src, dst, mark], check=True, env=env)
+                    sys.executable, "-c", CHILD, direction, uri, src, dst, mark], check=True, env=env,
+                   cwd=workdir)  # not the caller's directory: a checkout there would come before PYTHONPATH
     with open(mark) as f:
         start = float(f.read())
     script = subprocess.run(["perf", "script", "-i", data, "-F", "comm,time,ip,sym,dso"], check=True,

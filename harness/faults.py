@@ -7,6 +7,7 @@ import random
 from collections.abc import AsyncIterator
 
 from fastckpt.errors import StoreError, TransientStoreError
+from fastckpt.http import FileRange
 from fastckpt.stores.base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
 
 
@@ -124,7 +125,7 @@ class _FaultyUpload(MultipartUpload):
         self._store, self._inner = store, inner
         self.key, self.upload_id = inner.key, inner.upload_id
 
-    async def put_part(self, index: int, data: Buffer) -> PartInfo:
+    async def put_part(self, index: int, data: Buffer | FileRange) -> PartInfo:
         await self._store.fault("put_part", self.key)
         return await self._inner.put_part(index, data)
 
@@ -134,6 +135,9 @@ class _FaultyUpload(MultipartUpload):
 
     async def abort(self) -> None:
         await self._inner.abort()
+
+    def sends_files(self) -> bool:
+        return self._inner.sends_files()
 
     async def stored_part(self, index: int, size: int, token: str, digest: str) -> PartInfo | None:
         return await self._inner.stored_part(index, size, token, digest)

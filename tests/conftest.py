@@ -40,6 +40,21 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
+@pytest.fixture
+def sendfile_bytes(monkeypatch) -> list[int]:
+    """The byte counts of each ``os.sendfile`` call made from here on (from any thread)."""
+    sent: list[int] = []
+    real = os.sendfile
+
+    def counting(out: int, fd: int, offset: int, count: int) -> int:
+        n = real(out, fd, offset, count)
+        sent.append(n)
+        return n
+
+    monkeypatch.setattr(os, "sendfile", counting)
+    return sent
+
+
 def small_config(**overrides: object) -> TransferConfig:
     """Small parts so multipart paths run on small files (backends raise it to their minimum)."""
     base = {"part_size": 256 << 10, "multipart_threshold": 256 << 10, "max_in_flight": 4,

@@ -1,7 +1,7 @@
 """The HTTP data path (``fastckpt.http``) against a raw HTTP/1.1 server on 127.0.0.1 that misbehaves on demand:
 keep-alive reuse, idle connections the server closed, short bodies, oversized bodies, chunked error answers,
-cancellation mid-body, bodies sent from a caller's buffer, bodies a file's receiver takes from the socket on a
-thread; under asyncio's loop and uvloop's (what the library runs on)."""
+cancellation mid-body, bodies sent from a caller's buffer or from a file on a thread, bodies a file's receiver
+takes from the socket on a thread; under asyncio's loop and uvloop's (what the library runs on)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import trustme
 
 from fastckpt.engine import sink as sinks
 from fastckpt.engine.sink import RingSink
-from fastckpt.http import HttpClient, ProtocolError
+from fastckpt.http import FileRange, HttpClient, ProtocolError
+from fastckpt.http import connection as connections
 from fastckpt.integrity import hash_chunks
 from fastckpt.stores.base import BufferReceiver, Receiver
 
@@ -293,6 +294,113 @@ async def test_an_answer_before_the_body_is_sent_closes_the_connection() -> None
     finally:
         await client.close()
         srv.close()
+
+
+@pytest.fixture
+def data_file(tmp_path) -> AsyncIterator[int]:
+    """DATA in a file, open for reading."""
+    (tmp_path / "data").write_bytes(DATA)
+    fd = os.open(tmp_path / "data", os.O_RDONLY)
+    yield fd
+    os.close(fd)
+
+
+@pytest.fixture
+def large_file(tmp_path) -> AsyncIterator[int]:
+    """A 64 MiB file (sparse: zeros), more than the loopback socket's buffers hold, open for reading."""
+    with open(tmp_path / "large", "wb") as out:
+        out.truncate(64 << 20)
+    fd = os.open(tmp_path / "large", os.O_RDONLY)
+    yield fd
+    os.close(fd)
+
+
+
+
+async def test_a_file_range_is_sent_from_the_file_on_a_kept_alive_connection(server, data_file, sendfile_bytes
+                                                                            ) -> None:
+    """A body with a ``FileRange`` goes out with ``sendfile`` (on its own, or between buffers), and the
+    connection serves the next request."""
+    srv, client = server
+    assert client.sends_files
+    resp = await client.request("PUT", "/echo", {}, body=FileRange(data_file, 7, 2 << 20))
+    assert resp.status == 200 and resp.headers["etag"] == f'"{2 << 20}"'
+    resp = await client.request("PUT", "/echo", {}, body=[b"head", FileRange(data_file, 0, len(DATA)), b"tail"])
+    assert resp.status == 200
+    assert srv.received == [DATA[7:(2 << 20) + 7], b"head" + DATA + b"tail"]
+    assert sum(sendfile_bytes) == (2 << 20) + len(DATA) and srv.connections == 1
+
+
+async def test_an_answer_before_a_file_body_is_sent_stops_the_thread_and_closes(large_file) -> None:
+    """A server that refuses a PUT before reading its body: the sending thread stops, the error is returned,
+    and the connection is closed (the rest of the body would be taken for the next request)."""
+    release = asyncio.Event()
+
+    async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        await release.wait()  # neither reads the body nor closes until the test ends
+        writer.close()
+
+    srv = await asyncio.start_server(refuse, "127.0.0.1", 0)
+    client = HttpClient(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+    try:
+        resp = await asyncio.wait_for(client.request("PUT", "/x", {}, body=FileRange(large_file, 0, 64 << 20)), 3)
+        assert resp.status == 403 and client._idle == []
+    finally:
+        release.set()
+        await client.close()
+        srv.close()
+
+
+async def test_a_file_shorter_than_its_range_fails_the_request(server, data_file) -> None:
+    """The file ends before its range: EOFError (the source changed; not a broken connection to retry), and the
+    server never sees a whole body."""
+    srv, client = server
+    with pytest.raises(EOFError, match="end of file"):
+        await client.request("PUT", "/echo", {}, body=FileRange(data_file, 1 << 20, len(DATA)))
+    resp = await client.request("PUT", "/echo", {}, body=b"next")
+    assert resp.status == 200 and srv.received == [b"next"] and srv.connections == 2
+
+
+async def test_a_cancelled_file_body_returns_only_once_the_thread_let_go(large_file, monkeypatch) -> None:
+    """Cancelling a PUT whose body the server does not read returns after the sending thread stopped: the
+    socket is closed only once no thread can write to its descriptor."""
+    running = threading.Event()
+    ended = threading.Event()
+    real = connections._send_pieces
+
+    def watched(*args: object) -> bool:
+        running.set()
+        try:
+            return real(*args)
+        finally:
+            ended.set()
+
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(5)
+        writer.close()
+
+    monkeypatch.setattr(connections, "_send_pieces", watched)
+    srv = await asyncio.start_server(stall, "127.0.0.1", 0)
+    client = HttpClient(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}")
+    try:
+        task = asyncio.ensure_future(client.request("PUT", "/x", {}, body=FileRange(large_file, 0, 64 << 20)))
+        await asyncio.sleep(0.3)
+        assert running.is_set() and not ended.is_set()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert ended.is_set()
+    finally:
+        await client.close()
+        srv.close()
+
+
+def test_file_ranges_are_not_sent_over_tls() -> None:
+    """TLS must see the bytes: a client of an https origin takes buffers only."""
+    assert not HttpClient("https://127.0.0.1:1").sends_files
 
 
 class FileSink:

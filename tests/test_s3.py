@@ -159,15 +159,21 @@ async def test_permanent_failure_aborts_upload(s3, moto_server, tmp_path, failin
 
 @pytest.fixture
 def bytes_read(monkeypatch) -> list[int]:
-    """A one-item list counting the bytes uploads read (and hash) from their files."""
+    """A one-item list counting the bytes uploads read (and hash) from their files, into a buffer or through a
+    mapping."""
     read = [0]
-    hash_and_count = transfer_module.read_and_hash
+    read_and_hash, hash_file_range = transfer_module.read_and_hash, transfer_module.hash_file_range
 
     def counting(fd: int, offset: int, buf: memoryview) -> bytes:
         read[0] += buf.nbytes
-        return hash_and_count(fd, offset, buf)
+        return read_and_hash(fd, offset, buf)
+
+    def counting_mapped(fd: int, offset: int, length: int, chunk: int) -> list[bytes] | None:
+        read[0] += length
+        return hash_file_range(fd, offset, length, chunk)
 
     monkeypatch.setattr(transfer_module, "read_and_hash", counting)
+    monkeypatch.setattr(transfer_module, "hash_file_range", counting_mapped)
     return read
 
 
@@ -192,6 +198,44 @@ async def test_multipart_digest_is_recorded_after_the_data(s3, moto_server, tmp_
     assert [m.key for m in objects] == [uri.join("dir", "mp")] and dirs == []
     await store.delete(uri.join("dir", "mp"))
     assert raw.list_objects_v2(Bucket=BUCKET, Prefix=uri.join("dir")).get("KeyCount") == 0
+
+
+async def test_parts_go_from_the_file_to_the_socket(s3, moto_server, tmp_path, sendfile_bytes) -> None:
+    """On a plain-HTTP endpoint with unsigned payloads each part is hashed through a mapping of the file and sent
+    by the kernel (``sendfile``): no pooled buffer holds it."""
+    store, uri = s3
+    path, data = make_file(tmp_path, "sent", 2 * PART + 99)
+    transfer = Transfer(store, small_config())
+    up = await transfer.upload_file(path, uri.join("sent"))
+    assert transfer.pool.allocated == 0
+    down = await transfer.download_file(uri.join("sent"), str(tmp_path / "back"))
+    transfer.close()
+    assert sum(sendfile_bytes) == len(data) and store.sends_files
+    assert (tmp_path / "back").read_bytes() == data and up.digest == down.digest
+
+
+async def test_a_file_written_during_its_upload_fails_it(s3, moto_server, tmp_path, monkeypatch) -> None:
+    """A part sent from the file is hashed a moment before the kernel sends it: a file written while it is being
+    uploaded fails the upload (IntegrityError) and leaves nothing on the server."""
+    store, uri = s3
+    path, _ = make_file(tmp_path, "moving", 3 * PART + 1)
+    os.utime(path, (1_000_000_000, 1_000_000_000))
+    hash_file_range = transfer_module.hash_file_range
+
+    def writing(fd: int, offset: int, length: int, chunk: int) -> list[bytes] | None:
+        digests = hash_file_range(fd, offset, length, chunk)
+        if offset == PART:
+            with open(path, "r+b") as out:
+                out.write(b"changed")
+        return digests
+
+    monkeypatch.setattr(transfer_module, "hash_file_range", writing)
+    transfer = Transfer(store, small_config())
+    with pytest.raises(IntegrityError, match="changed while it was being uploaded"):
+        await transfer.upload_file(path, uri.join("moving"))
+    transfer.close()
+    assert pending_on_server(moto_server, uri.key) == []
+    assert raw_client(moto_server).list_objects_v2(Bucket=BUCKET, Prefix=uri.key).get("KeyCount") == 0
 
 
 async def test_without_digest_records_the_objects_stand_alone(s3_uri, moto_server, tmp_path, monkeypatch,
@@ -635,6 +679,7 @@ async def test_client_settings_and_knobs(s3_uri: str, monkeypatch, tmp_path, kno
         assert len(sent) == 2 + 1  # two parts and the record; no SDK checksum on the data path: XXH3 digests
         # check the bytes end to end
         assert not any(k.startswith(("x-amz-checksum-", "x-amz-trailer")) for h in sent for k in h)
+        assert store.sends_files == (knobs == "defaults")  # a signed payload is read to be hashed: from buffers
         signed = {h["x-amz-content-sha256"] for h in sent}
         assert signed == ({"UNSIGNED-PAYLOAD"} if knobs == "defaults" else signed - {"UNSIGNED-PAYLOAD"})
     finally:

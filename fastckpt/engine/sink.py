@@ -105,13 +105,13 @@ def _hash_mapped(fd: int, pos: int, size: int, hasher: ChunkHasher) -> None:
 
 
 def hash_file_range(fd: int, offset: int, length: int, chunk: int) -> list[bytes] | None:
-    """On an I/O thread: the chunk digests of ``length`` bytes at ``offset`` of ``fd``, read through a mapping;
-    None when the file is shorter."""
+    """On an I/O thread: the chunk digests of ``length`` bytes at ``offset`` of ``fd``, read through a mapping of
+    ``COPY_SLICE`` bytes at a time (what is mapped counts in the process's RSS); None when the file is shorter."""
     if os.fstat(fd).st_size < offset + length:
         return None
     hasher = ChunkHasher(chunk)
-    if length:
-        _hash_mapped(fd, offset, length, hasher)
+    for pos in range(offset, offset + length, COPY_SLICE):
+        _hash_mapped(fd, pos, min(COPY_SLICE, offset + length - pos), hasher)
     return hasher.finish()
 
 

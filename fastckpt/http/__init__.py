@@ -1,6 +1,7 @@
-"""The HTTP data path shared by the cloud backends: ranged GETs into, and part PUTs from, pooled buffers."""
+"""The HTTP data path shared by the cloud backends: ranged GETs into pooled buffers or files, part PUTs from
+pooled buffers or files."""
 
 from .client import HttpClient
-from .connection import ProtocolError, Response
+from .connection import FileRange, ProtocolError, Response
 
-__all__ = ["HttpClient", "ProtocolError", "Response"]
+__all__ = ["FileRange", "HttpClient", "ProtocolError", "Response"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import SplitResult, unquote, urlsplit
 from urllib.request import getproxies_environment, proxy_bypass_environment
 
-from .connection import Body, Connection, ProtocolError, Response
+from .connection import Body, Connection, ProtocolError, Response, body_size
 
 if TYPE_CHECKING:
     from ..stores.base import Receiver
@@ -59,12 +59,16 @@ class HttpClient:
         self._idle: list[Connection] = []
         self._closed = False
 
+    @property
+    def sends_files(self) -> bool:
+        """Whether a request body may hold a ``FileRange``: plain TCP, no TLS layer that must see the bytes."""
+        return self.ssl is None
+
     async def request(self, method: str, target: str, headers: Mapping[str, str], *,
                       body: Body | Sequence[Body] | None = None, into: Receiver | None = None) -> Response:
         """Send ``method target`` (a path with its query) with ``headers`` (Host and, unless given, Content-Length
-        are added)
-        and ``body`` (one buffer, or several sent one after the other); a 2xx body of known length goes to
-        ``into`` (see ``Connection.request``).
+        are added) and ``body`` (one piece, or several sent one after the other: buffers and, where
+        ``sends_files``, file ranges); a 2xx body of known length goes to ``into`` (see ``Connection.request``).
 
         A connection the server closed while it sat idle is replaced once, silently; any other failure
         raises (``ProtocolError``, ``OSError``, ``asyncio.TimeoutError`` for a connect timeout).
@@ -73,7 +77,7 @@ class HttpClient:
         lines += [f"{_check_header(k)}: {_check_header(str(v))}" for k, v in headers.items()]
         pieces = [] if body is None else list(body) if isinstance(body, (list, tuple)) else [body]
         if (pieces or method in ("PUT", "POST")) and not any(k.lower() == "content-length" for k in headers):
-            lines.append(f"Content-Length: {sum(memoryview(p).nbytes for p in pieces)}")
+            lines.append(f"Content-Length: {sum(body_size(p) for p in pieces)}")
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         async with self._slots:
             for attempt in range(2):

@@ -6,8 +6,10 @@ room (``asyncio.BufferedProtocol``: no ``bytes`` object per socket read, no copy
 no room, the connection stops reading (TCP holds the sender back) until it wakes it. A receiver may instead
 take a long body straight from a plain TCP socket on a thread of its own (``Receiver.from_socket``): the
 connection stops reading until that thread has let go of the socket. A request body is
-handed to the transport as a view of the caller's buffer (uvloop sends from it without copying). Other
-bodies (errors, chunked answers) go through the parser into a small ``bytearray``.
+handed to the transport as a view of the caller's buffer (uvloop sends from it without copying); one with a
+``FileRange`` is sent by a socket thread instead, the file's bytes with ``sendfile`` (from the page cache to
+the socket: never read into a buffer), the connection not reading meanwhile. Other bodies (errors, chunked
+answers) go through the parser into a small ``bytearray``.
 
 A connection serves one request at a time. One that failed, was cancelled or saw anything unexpected is
 closed, never reused: a dying connection must not touch a buffer after its request returned.
@@ -16,12 +18,16 @@ closed, never reused: a dying connection must not touch a buffer after its reque
 from __future__ import annotations
 
 import asyncio
+import os
+import select
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import httptools
+
+from ..engine.io import socket_executor
 
 if TYPE_CHECKING:
     from ..stores.base import Receiver
@@ -34,7 +40,22 @@ MAX_BODY = 16 << 20
 """Largest body accepted into memory (error answers, bodies without a caller's buffer)."""
 
 
-Body = bytes | bytearray | memoryview
+@dataclass(frozen=True)
+class FileRange:
+    """``length`` bytes at ``offset`` of the open file ``fd``, as a request body: sent by the kernel from the file
+    (plain TCP connections only, see ``HttpClient.sends_files``)."""
+
+    fd: int
+    offset: int
+    length: int
+
+
+Body = bytes | bytearray | memoryview | FileRange
+
+
+def body_size(piece: Body) -> int:
+    """Bytes of a body piece."""
+    return piece.length if isinstance(piece, FileRange) else memoryview(piece).nbytes
 
 
 class ProtocolError(ConnectionError):
@@ -73,7 +94,10 @@ class Connection(asyncio.BufferedProtocol):
         self._sock: int | None = None
         """The socket's descriptor, when the connection is plain TCP (a receiver's thread may read it)."""
         self._handoff = False
-        self._job: asyncio.Future[None] | None = None
+        self._job: asyncio.Future[None] | asyncio.Future[bool] | None = None
+        """The socket thread that holds the socket (receiving a body, or sending one)."""
+        self._cut = False
+        """The request's body was not all sent (the server answered or closed first)."""
         self._stop = threading.Event()
         self._expected = 0
         self._got_any = False
@@ -284,12 +308,17 @@ class Connection(asyncio.BufferedProtocol):
         self._reset_response()
         self._parser = httptools.HttpResponseParser(self)
         self._into, self._held, self._direct, self._expected, self._got_any = into, b"", False, 0, False
-        self._handoff = False
+        self._handoff, self._cut = False, False
         self._head_only = head_only
         self._done = self.loop.create_future()
         try:
-            self.transport.writelines([head, *body])
+            if any(isinstance(piece, FileRange) for piece in body):
+                self._send_on_thread([head, *body])
+            else:
+                self.transport.writelines([head, *body])
             await self._done
+            if self._cut and 200 <= self.response.status < 300:
+                raise ProtocolError("the server answered before the whole request body was sent")
         except BaseException:
             await self._let_go()
             self.close()
@@ -299,7 +328,7 @@ class Connection(asyncio.BufferedProtocol):
             self._release_sink()
         resp = self.response
         resp.body = bytes(self._body)
-        if not self._reusable(any(len(piece) for piece in body)):
+        if not self._reusable(any(body_size(piece) for piece in body)):
             self.close()
         self._parser = None
         self.used = True
@@ -311,8 +340,32 @@ class Connection(asyncio.BufferedProtocol):
         of it, queued here or in the socket, would be taken for the next request, and a queued rest still
         refers to the caller's buffer)."""
         return (not self.closed and self._keep_alive and self._complete and self.transport is not None
-                and (not sent_body or 200 <= self.response.status < 300)
+                and not self._cut and (not sent_body or 200 <= self.response.status < 300)
                 and self.transport.get_write_buffer_size() == 0)
+
+    def _send_on_thread(self, pieces: list[Body]) -> None:
+        """Send ``pieces`` from a socket thread; the socket is not read until the thread has let go (``_sent``): a
+        transport that saw the server's close would close the descriptor under the thread."""
+        if self._sock is None:
+            raise ProtocolError("a file body needs a plain TCP connection")
+        self._pause()
+        self._stop = threading.Event()
+        job = self.loop.run_in_executor(socket_executor(), _send_pieces, self._sock, pieces, self._stop)
+        self._job = job
+        job.add_done_callback(self._sent)
+
+    def _sent(self, job: asyncio.Future[bool]) -> None:
+        """The sending thread let go of the socket: the answer is read now (a failure of the file fails the
+        request instead)."""
+        self._job = None
+        if self._paused and not self.closed and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        exc = ProtocolError("the sending thread was cancelled") if job.cancelled() else job.exception()
+        if exc is not None:
+            self._fail(exc)
+        elif not job.result():
+            self._cut = True
 
     def _finish(self) -> None:
         self._complete = True
@@ -342,3 +395,35 @@ class Connection(asyncio.BufferedProtocol):
         self.closed = True
         if self.transport is not None:
             self.transport.abort()
+
+
+def _send_pieces(sock: int, pieces: Sequence[Body], stop: threading.Event) -> bool:
+    """On a socket thread: write ``pieces`` to the non-blocking ``sock``, a ``FileRange`` with ``sendfile``. False
+    when the server answered, closed or reset before all of them went out (its answer decides), or on ``stop``;
+    EOFError when a file ends before its range does."""
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT | select.POLLIN)
+    for piece in pieces:
+        if isinstance(piece, FileRange):
+            view, fd, pos, end = None, piece.fd, piece.offset, piece.offset + piece.length
+        else:
+            view = memoryview(piece).cast("B")
+            fd, pos, end = -1, 0, len(view)
+        while pos < end:
+            if stop.is_set():
+                return False
+            try:
+                if view is not None:
+                    n = os.write(sock, view[pos:])
+                else:
+                    n = os.sendfile(sock, fd, pos, end - pos)
+                    if not n:
+                        raise EOFError(f"end of file at byte {pos}: wanted bytes up to {end}")
+            except BlockingIOError:
+                if any(events & ~select.POLLOUT for _, events in poller.poll(50)):  # a stop is seen within 50 ms
+                    return False  # something to read (an early answer, a close) or an error: not sent whole
+                continue
+            except ConnectionError:
+                return False
+            pos += n
+    return True

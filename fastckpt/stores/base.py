@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ..errors import ObjectNotFoundError
+from ..http import FileRange
 from ..uri import StorageURI
 
 Buffer = bytes | bytearray | memoryview
@@ -138,8 +139,8 @@ class MultipartUpload(abc.ABC):
     upload_id: str
 
     @abc.abstractmethod
-    async def put_part(self, index: int, data: Buffer) -> PartInfo:
-        """Upload part ``index`` (0-based)."""
+    async def put_part(self, index: int, data: Buffer | FileRange) -> PartInfo:
+        """Upload part ``index`` (0-based); ``data`` is a ``FileRange`` only where ``sends_files``."""
 
     @abc.abstractmethod
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
@@ -153,6 +154,11 @@ class MultipartUpload(abc.ABC):
     @abc.abstractmethod
     async def abort(self) -> None:
         """Discard the upload and its parts. Safe to call more than once."""
+
+    def sends_files(self) -> bool:
+        """Whether ``put_part`` takes a ``FileRange`` of an open file, sent from it by the kernel (the bytes never
+        pass through a buffer); False: buffers only."""
+        return False
 
     def local_fd(self) -> int | None:
         """A file descriptor part ``index`` may be written to directly at ``index * part_size`` (an upload into a

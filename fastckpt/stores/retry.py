@@ -34,6 +34,8 @@ from typing import Any, TypeVar
 
 from ..config import TransferConfig
 from ..errors import TransientStoreError
+from ..http import FileRange
+from ..http.connection import body_size
 from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Receiver, Store
 from .classify import EndpointUnreachableError
 
@@ -225,8 +227,8 @@ class _RetryingUpload(MultipartUpload):
         self._store, self._inner = store, inner
         self.key, self.upload_id = inner.key, inner.upload_id
 
-    async def put_part(self, index: int, data: Buffer) -> PartInfo:
-        return await self._store._retry_data(f"upload of {self.key} (part {index})", memoryview(data).nbytes,
+    async def put_part(self, index: int, data: Buffer | FileRange) -> PartInfo:
+        return await self._store._retry_data(f"upload of {self.key} (part {index})", body_size(data),
                                              lambda: self._inner.put_part(index, data))
 
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
@@ -234,6 +236,9 @@ class _RetryingUpload(MultipartUpload):
 
     async def abort(self) -> None:
         await self._store._retry(f"abort of upload of {self.key}", self._inner.abort)
+
+    def sends_files(self) -> bool:
+        return self._inner.sends_files()
 
     def local_fd(self) -> int | None:
         return self._inner.local_fd()

@@ -59,7 +59,8 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from ..http import HttpClient, ProtocolError, Response
+from ..http import FileRange, HttpClient, ProtocolError, Response
+from ..http.connection import body_size
 from ..uri import StorageURI, check_options
 from .base import (
     Buffer,
@@ -234,12 +235,15 @@ class S3Upload(MultipartUpload):
         self._etag = ""
         self.stored: dict[int, PartInfo] = {}
 
-    async def put_part(self, index: int, data: Buffer) -> PartInfo:
+    def sends_files(self) -> bool:
+        return self._store.sends_files
+
+    async def put_part(self, index: int, data: Buffer | FileRange) -> PartInfo:
         if self._finished:
             raise StoreError(f"multipart upload of {self._store.where(self.key)} is no longer active")
         query = {"partNumber": str(index + 1), "uploadId": self.upload_id}
         resp = await self._store.send("PUT", self.key, query, {}, body=data)
-        return PartInfo(index, memoryview(data).nbytes, resp.headers.get("etag", ""))
+        return PartInfo(index, body_size(data), resp.headers.get("etag", ""))
 
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
         """Assemble the parts, then record what of ``metadata`` the upload was not created with, where records
@@ -458,8 +462,16 @@ class S3Store(ReceivingStore):
         if region and region != signer.region:
             self._signing = (path, credentials, S3Signer(self._http.host_header, region))
 
+    @property
+    def sends_files(self) -> bool:
+        """Whether part bodies may be sent from their files: the data path is plain HTTP, and payloads are not
+        signed (signing would read the bytes)."""
+        return (self._http is not None and self._http.sends_files and self._signing is not None
+                and (self.options.payload_signing is False or self._signing[1] is None))
+
     async def send(self, method: str, key: str, query: dict[str, str], headers: dict[str, str], *,
-                   body: Buffer | None = None, into: Receiver | None = None, if_absent: bool = False) -> Response:
+                   body: Buffer | FileRange | None = None, into: Receiver | None = None,
+                   if_absent: bool = False) -> Response:
         """A request on the data path, signed with SigV4 as botocore would (``stores.sigv4``); errors as fastckpt
         errors (a 2xx or 416 answer is returned, a 206 or 200 with its body received by ``into``)."""
         path = (await self._data_path())[0]
@@ -476,7 +488,7 @@ class S3Store(ReceivingStore):
             raise self.answer_error(resp, method, key, if_absent)
         return resp
 
-    async def _sign_and_send(self, method: str, target: str, headers: dict[str, str], body: Buffer | None,
+    async def _sign_and_send(self, method: str, target: str, headers: dict[str, str], body: Buffer | FileRange | None,
                              into: Receiver | None) -> Response:
         assert self._signing is not None and self._http is not None
         _, credentials, signer = self._signing
