@@ -34,8 +34,7 @@ from typing import Any, TypeVar
 
 from ..config import TransferConfig
 from ..errors import TransientStoreError
-from ..http import FileRange
-from ..http.connection import body_size
+from ..http import FileRange, body_size
 from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Receiver, Store
 from .classify import EndpointUnreachableError
 

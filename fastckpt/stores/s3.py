@@ -59,8 +59,7 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from ..http import FileRange, HttpClient, ProtocolError, Response
-from ..http.connection import body_size
+from ..http import FileRange, HttpClient, ProtocolError, Response, body_size
 from ..uri import StorageURI, check_options
 from .base import (
     Buffer,
