@@ -17,7 +17,7 @@ import trustme
 
 from fastckpt.engine import sink as sinks
 from fastckpt.engine.sink import RingSink
-from fastckpt.http import FileRange, HttpClient, ProtocolError
+from fastckpt.http import FileRange, HttpClient, ProtocolError, SendfileUnsupported
 from fastckpt.http import connection as connections
 from fastckpt.integrity import hash_chunks
 from fastckpt.stores.base import BufferReceiver, Receiver
@@ -396,6 +396,21 @@ async def test_a_cancelled_file_body_returns_only_once_the_thread_let_go(large_f
     finally:
         await client.close()
         srv.close()
+
+
+async def test_a_file_the_kernel_cannot_send_is_named_so(server, data_file, monkeypatch) -> None:
+    """``sendfile`` refused for the file (EINVAL: its filesystem cannot): SendfileUnsupported, which no layer takes
+    for a broken connection, and the next request goes on a new connection."""
+    srv, client = server
+
+    def refuse(*args: object) -> int:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "sendfile", refuse)
+    with pytest.raises(SendfileUnsupported):
+        await client.request("PUT", "/echo", {}, body=FileRange(data_file, 0, 1 << 20))
+    resp = await client.request("PUT", "/echo", {}, body=b"next")
+    assert resp.status == 200 and srv.received == [b"next"] and srv.connections == 2
 
 
 def test_file_ranges_are_not_sent_over_tls() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import http.client
 import json
 import logging
@@ -211,6 +212,25 @@ async def test_parts_go_from_the_file_to_the_socket(s3, moto_server, tmp_path, s
     down = await transfer.download_file(uri.join("sent"), str(tmp_path / "back"))
     transfer.close()
     assert sum(sendfile_bytes) == len(data) and store.sends_files
+    assert (tmp_path / "back").read_bytes() == data and up.digest == down.digest
+
+
+@pytest.mark.parametrize("refused", ["sendfile", "mapping"])
+async def test_files_the_kernel_cannot_send_go_from_buffers(s3, tmp_path, monkeypatch, refused: str) -> None:
+    """A filesystem that refuses ``sendfile`` (EINVAL) or a mapping (ENODEV): the parts go from buffers."""
+    store, uri = s3
+
+    def refuse(*args: object) -> None:
+        raise OSError(errno.EINVAL if refused == "sendfile" else errno.ENODEV, f"no {refused} here")
+
+    monkeypatch.setattr(*((os, "sendfile") if refused == "sendfile" else (transfer_module, "hash_file_range")),
+                        refuse)
+    path, data = make_file(tmp_path, "plain", 3 * PART + 7)
+    transfer = Transfer(store, small_config())
+    up = await transfer.upload_file(path, uri.join("plain"))
+    assert transfer.pool.allocated > 0
+    down = await transfer.download_file(uri.join("plain"), str(tmp_path / "back"))
+    transfer.close()
     assert (tmp_path / "back").read_bytes() == data and up.digest == down.digest
 
 

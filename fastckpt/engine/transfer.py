@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from ..config import TransferConfig
 from ..errors import AlreadyExistsError, IntegrityError, ObjectNotFoundError, StoreError
-from ..http import FileRange, body_size
+from ..http import FileRange, SendfileUnsupported, body_size
 from ..integrity import FileDigest, combine, hash_chunks, read_and_hash, read_exact, write_at
 from ..stores.base import MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
 from ..stores.local import partial_path
@@ -26,6 +27,8 @@ from .sink import RING, RingSink, copy_and_hash, hash_file_range
 from .tasks import gather_all
 
 log = logging.getLogger("fastckpt")
+_NO_MAPPING = {errno.ENODEV, errno.EINVAL}
+"""What ``mmap`` of a file raises where its filesystem cannot map it."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class Transfer:
         self._local_copies = asyncio.Semaphore(self._copy_slots)
         self._file_parts = asyncio.Semaphore(self.config.max_in_flight)
         """Parts sent from their files at once (no buffer bounds them)."""
+        self._send_files = True
+        """Whether parts may be sent from their files (until a filesystem refuses a mapping or ``sendfile``)."""
 
     def close(self) -> None:
         """Release pooled buffers."""
@@ -267,19 +272,38 @@ class Transfer:
         mapping, sent by the kernel: a 1 GiB S3 upload took 0.31-0.39 client CPU-s against 0.52-0.55 read into
         buffers, measured), else read into a pooled buffer, hashed and sent from it."""
         offset, length = plan.part(index)
-        if mpu.sends_files():
-            async with self._file_parts:
-                digests = await off_loop(hash_file_range, fd, offset, length, length)
-                if not digests:
-                    raise EOFError(f"end of file before byte {offset + length}")
-                digest = digests[0]
-                info = await self._put_part(index, FileRange(fd, offset, length), digest, mpu, journal)
-        else:
+        sent = None
+        if mpu.sends_files() and self._send_files:
+            sent = await self._send_from_file(fd, offset, length, index, mpu, journal)
+        if sent is None:
             async with self.pool.buffer(length) as buf:
                 digest = await off_loop(read_and_hash, fd, offset, buf)
-                info = await self._put_part(index, buf, digest, mpu, journal)
+                sent = await self._put_part(index, buf, digest, mpu, journal), digest
         self.progress.advance(length)
-        return info, digest
+        return sent
+
+    async def _send_from_file(self, fd: int, offset: int, length: int, index: int, mpu: MultipartUpload,
+                              journal: Journal | None) -> tuple[PartInfo, bytes] | None:
+        """Part ``index`` hashed through a mapping and sent from the file; None (and no more parts sent this way
+        in this session) where the file's filesystem cannot be mapped or sent from."""
+        async with self._file_parts:
+            try:
+                digests = await off_loop(hash_file_range, fd, offset, length, length)
+            except OSError as exc:
+                if exc.errno not in _NO_MAPPING:
+                    raise
+                return self._from_buffers(exc)
+            if not digests:
+                raise EOFError(f"end of file before byte {offset + length}")
+            try:
+                return await self._put_part(index, FileRange(fd, offset, length), digests[0], mpu, journal), digests[0]
+            except SendfileUnsupported as exc:
+                return self._from_buffers(exc)
+
+    def _from_buffers(self, cause: Exception) -> None:
+        """Send every part from here on from a buffer."""
+        log.info("sending parts from buffers: %s", cause)
+        self._send_files = False
 
     @staticmethod
     async def _put_part(index: int, data: memoryview | FileRange, digest: bytes, mpu: MultipartUpload,

@@ -2,6 +2,6 @@
 pooled buffers or files."""
 
 from .client import HttpClient
-from .connection import FileRange, ProtocolError, Response, body_size
+from .connection import FileRange, ProtocolError, Response, SendfileUnsupported, body_size
 
-__all__ = ["FileRange", "HttpClient", "ProtocolError", "Response", "body_size"]
+__all__ = ["FileRange", "HttpClient", "ProtocolError", "Response", "SendfileUnsupported", "body_size"]

@@ -18,6 +18,7 @@ closed, never reused: a dying connection must not touch a buffer after its reque
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import select
 import threading
@@ -51,11 +52,17 @@ class FileRange:
 
 
 Body = bytes | bytearray | memoryview | FileRange
+_NO_SENDFILE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
 
 
 def body_size(piece: Body) -> int:
     """Bytes of a body piece."""
     return piece.length if isinstance(piece, FileRange) else memoryview(piece).nbytes
+
+
+class SendfileUnsupported(Exception):
+    """The kernel cannot send this file with ``sendfile`` (its filesystem does not support it): send it from a
+    buffer. Not an ``OSError``, so that no layer takes it for a broken connection and retries."""
 
 
 class ProtocolError(ConnectionError):
@@ -425,5 +432,9 @@ def _send_pieces(sock: int, pieces: Sequence[Body], stop: threading.Event) -> bo
                 continue
             except ConnectionError:
                 return False
+            except OSError as exc:
+                if view is None and exc.errno in _NO_SENDFILE:
+                    raise SendfileUnsupported(f"sendfile: {exc}") from exc
+                raise
             pos += n
     return True
