@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import socket
 import ssl
 import sys
@@ -61,8 +62,9 @@ class HttpClient:
 
     @property
     def sends_files(self) -> bool:
-        """Whether a request body may hold a ``FileRange``: plain TCP, no TLS layer that must see the bytes."""
-        return self.ssl is None
+        """Whether a request body may hold a ``FileRange``: plain TCP (no TLS layer that must see the bytes) on a
+        system with ``sendfile``."""
+        return self.ssl is None and hasattr(os, "sendfile")
 
     async def request(self, method: str, target: str, headers: Mapping[str, str], *,
                       body: Body | Sequence[Body] | None = None, into: Receiver | None = None) -> Response:
