@@ -59,8 +59,8 @@ def io_executor() -> ThreadPoolExecutor:
 
 
 def socket_executor() -> ThreadPoolExecutor:
-    """Threads that move a response body from a socket to a file; each waits on the network for the whole body,
-    so they are kept apart from the I/O threads."""
+    """Threads that move a body between a socket and a file (a response into its file, a part from its file);
+    each waits on the network for the whole body, so they are kept apart from the I/O threads."""
     return _SOCKETS
 
 

@@ -99,7 +99,7 @@ class Connection(asyncio.BufferedProtocol):
         self._head_only = False
         self._direct = False
         self._sock: int | None = None
-        """The socket's descriptor, when the connection is plain TCP (a receiver's thread may read it)."""
+        """The socket's descriptor, when the connection is plain TCP (a socket thread may read or write it)."""
         self._handoff = False
         self._job: asyncio.Future[None] | asyncio.Future[bool] | None = None
         """The socket thread that holds the socket (receiving a body, or sending one)."""
@@ -250,8 +250,8 @@ class Connection(asyncio.BufferedProtocol):
             self._finish()
 
     async def _let_go(self) -> None:
-        """Stop the receiver's thread, if it holds the socket, and wait until it has let go: the socket may be
-        closed only then (another connection could get its descriptor number)."""
+        """Stop the socket thread (receiving or sending a body), if one holds the socket, and wait until it has let
+        go: the socket may be closed only then (another connection could get its descriptor number)."""
         job = self._job
         if job is None:
             return
@@ -294,9 +294,15 @@ class Connection(asyncio.BufferedProtocol):
         """The receiver has room again."""
         if self._held:
             self._place_held()
-        if self._paused and not self._held and self._direct and not self.closed and self.transport is not None:
+        if not self._held and self._direct:
+            self._unpause()
+
+    def _unpause(self) -> None:
+        """Read the socket again (``_pause`` undone), unless the connection is closed."""
+        if self._paused:
             self._paused = False
-            self.transport.resume_reading()
+            if not self.closed and self.transport is not None:
+                self.transport.resume_reading()
 
     # ----------------------------------------------------------------------------- requests
 
@@ -365,9 +371,7 @@ class Connection(asyncio.BufferedProtocol):
         """The sending thread let go of the socket: the answer is read now (a failure of the file fails the
         request instead)."""
         self._job = None
-        if self._paused and not self.closed and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
+        self._unpause()
         exc = ProtocolError("the sending thread was cancelled") if job.cancelled() else job.exception()
         if exc is not None:
             self._fail(exc)
@@ -392,10 +396,7 @@ class Connection(asyncio.BufferedProtocol):
         if self._into is not None:
             self._into.wake = None
         self._direct, self._handoff, self._expected, self._into, self._held = False, False, 0, None, b""
-        if self._paused:
-            self._paused = False
-            if not self.closed and self.transport is not None:
-                self.transport.resume_reading()
+        self._unpause()
 
     def close(self) -> None:
         """Close the connection at once (buffered writes are dropped)."""
