@@ -7,9 +7,9 @@ from typing import Any
 
 MiB, GiB = 1 << 20, 1 << 30
 
-# (direction, peer, minimum ratio of fastckpt's median throughput to the peer's), from issue 8.
+# (direction, peer, minimum ratio of fastckpt's median throughput to the peer's), from issues 8 and 13.
 S3_TARGETS = [("upload", "pyarrow", 1.5), ("upload", "s5cmd", 1.5), ("download", "pyarrow", 2.0),
-              ("download", "s5cmd", 1.0)]
+              ("download", "s5cmd", 1.2)]
 CPU_TARGET = 0.5
 """Client CPU seconds per GiB fastckpt must stay under, both ways."""
 RSS_FLAT = 1.25
@@ -43,6 +43,8 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key in ("hash_cpu_s", "server_cpu_s"):
             values = [r[key] / (r["bytes"] / GiB) for r in ok if r.get(key) is not None]
             row[f"{key}_per_gib"] = _median(values)
+        idle = [r["machine_idle"] for r in ok if r.get("machine_idle") is not None]
+        row["machine_idle_pct"] = 100 * _median(idle) if idle else None
         for key in ("blocked_s", "d2h_s"):
             values = [r[key] for r in ok if r.get(key) is not None]
             if values:
@@ -102,14 +104,14 @@ def markdown(rows: list[dict[str, Any]], targets: list[dict[str, Any]], title: s
     """The summary as markdown tables."""
     gpu = any("blocked_s" in r for r in rows)
     head = ["size", "engine", "direction", "MiB/s median (min-max)", "GiB/s", "CPU s/GiB", "peak RSS MiB",
-            "hash CPU s/GiB", "server CPU s/GiB"] + (["blocked s"] if gpu else []) + ["ok runs"]
+            "hash CPU s/GiB", "server CPU s/GiB", "machine idle %"] + (["blocked s"] if gpu else []) + ["ok runs"]
     lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         rate = "FAILED" if r["mib_s"] is None else \
             f"{r['mib_s']:.0f} ({r['mib_s_min']:.0f}-{r['mib_s_max']:.0f})"
         cells = [r["size"], r["engine"], r["direction"], rate, _fmt(r["gib_s"], ".2f"), _fmt(r["cpu_s_per_gib"], ".2f"),
                  _fmt(r["peak_rss_mib"]), _fmt(r.get("hash_cpu_s_per_gib"), ".2f"),
-                 _fmt(r.get("server_cpu_s_per_gib"), ".2f")]
+                 _fmt(r.get("server_cpu_s_per_gib"), ".2f"), _fmt(r.get("machine_idle_pct"))]
         if gpu:
             cells.append(_fmt(r.get("blocked_s"), ".2f"))
         cells.append(f"{r['ok']}/{r['runs']}")

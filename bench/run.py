@@ -157,6 +157,7 @@ class Session:
             "command": ["bench.run", *args.argv], "target": target, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "load_start": os.getloadavg(), "cpus": os.cpu_count(), "versions": _versions(), "git": _git(),
             "knobs": self.knobs, "durable": args.durable, "rounds": args.rounds, "seed": args.seed,
+            "settle": "off",
         }
 
     @contextmanager
@@ -230,9 +231,33 @@ class Session:
             spec["syncfs"] = dst
         return spec
 
+    def settle(self, spec: dict[str, Any]) -> str:
+        """Untimed, before a run: the previous runs' output written back and, where this process may, the page
+        cache emptied and the run's source read back into it (an S3 download's objects through the server), so
+        that every engine starts from the same state (its source cached, memory free: no run pays for another's
+        writeback or reclaim). What was done."""
+        os.sync()
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1")
+        except OSError:
+            return "sync"
+        if spec["direction"] == "upload" or (spec["direction"] == "download" and self.target == "local"):
+            _read_tree(spec["src"])
+        elif spec["direction"] == "download" and self.client is not None:  # the server reads its files back
+            prefix = spec["src"].strip("/") + "/"
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+                for obj in page.get("Contents", []):
+                    body = self.client.get_object(Bucket=BUCKET, Key=obj["Key"])["Body"]
+                    while body.read(8 << 20):
+                        pass
+        return "sync, page cache emptied and the source re-read"
+
     def run_one(self, spec: dict[str, Any], nbytes: int, label: str, rnd: int, env: dict[str, str] | None = None
                 ) -> dict[str, Any]:
         """Spawn one transfer; the caller verifies it."""
+        if self.args.settle:
+            self.meta["settle"] = self.settle(spec)
         cpu0 = self.server.cpu_seconds() if self.server else None
         load = os.getloadavg()[0]
         res = spawn(spec, self.workdir, self.timeout(nbytes), env)
@@ -287,11 +312,25 @@ class Session:
                 shutil.rmtree(os.path.join(self.workdir, name), ignore_errors=True)
 
 
+def _read_tree(top: str) -> None:
+    """Read every file below ``top`` (or ``top`` itself) into the page cache, skipping those removed meanwhile."""
+    buf = bytearray(8 << 20)
+    paths = [top] if os.path.isfile(top) else [os.path.join(d, n) for d, _, names in os.walk(top) for n in names]
+    for path in paths:
+        try:
+            with open(path, "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+        except FileNotFoundError:  # removed meanwhile (the S3 server deletes the chunks of deleted objects late)
+            continue
+
+
 def _title(doc: dict[str, Any]) -> str:
     meta = doc["meta"]
     loads = sorted(r["load1"] for r in doc.get("runs", [])) or [meta.get("load_start", [0])[0]]
     load = f"load median {loads[len(loads) // 2]:.1f} (max {loads[-1]:.1f})"
     mode = "durable (synced)" if meta.get("durable") else "page cache (no fsync)"
+    mode += f", before each run: {meta['settle']}" if meta.get("settle", "off") != "off" else ""
     if meta.get("mode") == "gpu":
         return (f"GPU host mode, device {meta['device']} -> {meta['target']}: fastckpt vs torch.save + upload, "
                 f"{meta['rounds']} rounds, {load} on {meta['cpus']} CPUs")
@@ -451,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--durable", action="store_true",
                        help="end every timed window with syncfs of the destination and keep fastckpt's fsync "
                             "(default: page-cache speed for all; fastckpt runs with fsync=False)")
+        p.add_argument("--no-settle", dest="settle", action="store_false",
+                       help="start each run as the previous one left the page cache (default, untimed: sync, and where "
+                            "allowed empty the page cache and read the run's source back into it)")
         p.add_argument("--workdir", help="where data is generated and kept between invocations (default: a temp dir)")
         p.add_argument("--keep-data", action="store_true", help="keep generated data and outputs")
         p.add_argument("--out", default=os.path.join(REPO, "bench", "results"), help="results directory")

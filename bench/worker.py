@@ -1,7 +1,8 @@
 """One timed transfer in its own process: ``python -m bench.worker SPEC_JSON``.
 
 The engine's setup (imports, clients' inputs) is untimed; the transfer is timed, and the CPU used by
-this process and by the children it waited for during the transfer is measured with ``getrusage``.
+this process and by the children it waited for during the transfer is measured with ``getrusage``, and the
+share of the whole machine's CPU time left idle meanwhile (``/proc/stat``): near 0, the machine was the bound.
 With ``spec["syncfs"]`` the timed window ends only once the destination's filesystem is synced.
 An engine may return a ``check`` callable with its result; it runs after the timed window and its
 problems are reported. The result is written as JSON to ``spec["result"]``; the parent adds the
@@ -34,6 +35,16 @@ def _cpu(who: int) -> tuple[float, float]:
     return r.ru_utime, r.ru_stime
 
 
+def machine_cpu() -> tuple[int, int] | None:
+    """(idle, total) clock ticks of all CPUs so far, from ``/proc/stat`` (iowait counts as idle); None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(t) for t in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return ticks[3] + ticks[4], sum(ticks[:8])  # guest time is already in user and nice
+
+
 def syncfs(path: str) -> None:
     """Flush the filesystem holding ``path`` to disk (Linux ``syncfs``)."""
     fd = os.open(path, os.O_RDONLY)
@@ -54,13 +65,15 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         prepare = ENGINES[spec["engine"]].prepare
     run = prepare(spec)
     rss_before = vm_hwm_mib()
-    s0, c0 = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
+    s0, c0, m0 = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN), machine_cpu()
     t0 = time.perf_counter()
     extra = run()
     if spec.get("syncfs"):
         syncfs(spec["syncfs"])
     wall = time.perf_counter() - t0
-    s1, c1 = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
+    s1, c1, m1 = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN), machine_cpu()
+    if m0 is not None and m1 is not None and m1[1] > m0[1]:
+        extra["machine_idle"] = (m1[0] - m0[0]) / (m1[1] - m0[1])
     check = extra.pop("check", None)
     if check is not None:
         extra["check_problems"] = check()

@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import shutil
+import time
 import zlib
 from pathlib import Path
 
@@ -46,9 +47,24 @@ def _check_doc(doc: dict, engines: list[str], directions: tuple[str, ...]) -> No
             assert row["mib_s"] > 0 and row["peak_rss_mib"] > 0 and row["cpu_s_per_gib"] >= 0
     for run in doc["runs"]:
         assert run["ok"] and run["verified"] and run["problems"] == [], run
-        assert run["wall_s"] > 0 and run["cpu_user_s"] + run["cpu_sys_s"] > 0
+        assert run["wall_s"] > 0 and run["cpu_user_s"] + run["cpu_sys_s"] > 0 and 0 <= run.get("machine_idle", 0) <= 1
     fast = [r for r in doc["runs"] if r["engine"] == "fastckpt"]
     assert fast and all(r["hash_cpu_s"] > 0 and r["hash_calls"] > 0 for r in fast)
+
+
+def test_machine_cpu_counts_idle_and_busy_time() -> None:
+    from bench.worker import machine_cpu
+
+    before = machine_cpu()
+    if before is None:
+        pytest.skip("no /proc/stat")
+    end = time.monotonic() + 0.2
+    while time.monotonic() < end:  # busy: at least 20 ticks of one CPU pass
+        pass
+    after = machine_cpu()
+    assert after is not None
+    idle, total = after[0] - before[0], after[1] - before[1]
+    assert total >= 20 and 0 <= idle < total
 
 
 def test_generator_follows_llama_layout(ckpt: str) -> None:
@@ -118,14 +134,17 @@ def test_local_round_json_and_verified_peers(tmp_path: Path) -> None:
     doc = _load(out)
     _check_doc(doc, ["fastckpt", "cp", "pyarrow"], ("upload", "download"))
     assert doc["meta"]["knobs"] == {"fsync": False} and doc["meta"]["reference"] == {"4MiB": "fastckpt"}
+    dropped = os.access("/proc/sys/vm/drop_caches", os.W_OK)
+    assert doc["meta"]["settle"] == ("sync, page cache emptied and the source re-read" if dropped else "sync")
     assert sorted(os.listdir(work)) == ["ckpt-4MiB-s0", "ckpt-4MiB-s0.done"]
 
 
 def test_gpu_mode_on_cpu(tmp_path: Path) -> None:
     out = str(tmp_path / "out")
-    assert main(["gpu", "--device", "cpu", "--size", "4MiB", "--rounds", "1", "--out", out,
+    assert main(["gpu", "--device", "cpu", "--size", "4MiB", "--rounds", "1", "--out", out, "--no-settle",
                  "--workdir", str(tmp_path / "work")]) == 0
     doc = _load(out)
+    assert doc["meta"]["settle"] == "off"
     _check_doc(doc, ["fastckpt", "torch.save"], ("gpu",))
     for run in doc["runs"]:
         assert run["check_problems"] == [] and 0 < run["blocked_s"] <= run["wall_s"]
@@ -156,7 +175,7 @@ def test_s3_round_and_silent_peer_failure_caught(tmp_path: Path, ckpt: str, monk
         assert not result["ok"] or problems
         out = str(tmp_path / "out")
         assert main(["s3", "--size", "4MiB", "--rounds", "1", "--engines", "fastckpt,pyarrow,s5cmd", "--out", out,
-                     "--endpoint", server.endpoint, "--workdir", str(tmp_path / "work")]) == 0
+                     "--endpoint", server.endpoint, "--workdir", str(tmp_path / "work"), "--no-settle"]) == 0
     doc = _load(out)
     _check_doc(doc, ["fastckpt", "pyarrow", "s5cmd"], ("upload", "download"))
     assert doc["meta"]["server"] == {"endpoint": server.endpoint}

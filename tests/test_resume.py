@@ -17,7 +17,7 @@ import pytest
 
 from fastckpt import open_store, parse_uri
 from fastckpt.cli import main as cli_main
-from fastckpt.engine.journal import state_dir
+from fastckpt.engine.journal import Journal, state_dir
 from fastckpt.engine.plan import plan_upload
 from fastckpt.engine.transfer import Transfer
 from fastckpt.stores.local import TMP_SUFFIX
@@ -197,3 +197,23 @@ async def test_killed_checkpoint_attempt_reuses_what_it_wrote(store_uri: str, tm
     assert counter.calls == PARTS - DONE  # the small file is re-used, the big one continues
     report = await fastckpt.verify_async(uri, config=small_config())
     assert report.ok and report.files == 2
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+async def test_a_journal_that_cannot_be_written_aborts_its_upload(store_uri: str, tmp_path: Path, backend: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: Journal, **fields: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Journal, "start", refuse)
+    key = parse_uri(store_uri).join("model.bin")
+    src, _ = sample(store_uri, tmp_path)
+    async with open_store(store_uri, small_config()) as store:
+        transfer = Transfer(store, small_config())
+        try:
+            with pytest.raises(OSError, match="No space left"):
+                await transfer.upload_file(str(src), key)
+        finally:
+            transfer.close()
+        assert await store.list_pending_uploads(key) == []
+        assert [m async for m in store.list(key)] == []

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import os
 import threading
@@ -154,16 +155,17 @@ class Transfer:
         pre: FileDigest | None = None
         if self.config.digest_metadata and not self.store.metadata_on_complete:
             pre = await self._hash_file(fd, plan)  # the digest must go with the upload's creation
-        journal, stale = self._upload_journal(fd, plan, key, path, if_absent, pre)
+        journal, stale = await off_loop(self._upload_journal, fd, plan, key, path, if_absent, pre)
         if stale:  # left by an earlier run of this upload whose source has changed since
             await self._abort_quietly(key, stale)
         written = _written(fd)
         mpu = await self._resume(journal, key, plan, if_absent)
+        fresh = mpu is None
         if mpu is None:
             mpu = await self.start_upload(key, plan.part_size, pre.metadata() if pre else None, if_absent)
-            if journal is not None:
-                journal.start(upload_id=mpu.upload_id)
         try:
+            if fresh and journal is not None:
+                await off_loop(functools.partial(journal.start, upload_id=mpu.upload_id))
             target = mpu.local_fd()
             if target is not None and not (journal is not None and journal.resumed):  # a local file: copied
                 results = await self._copy_parts(fd, plan, target, journal, batch)
@@ -188,7 +190,7 @@ class Transfer:
             await asyncio.shield(self.abort_upload(mpu, journal))
             raise
         if journal is not None:
-            journal.remove()
+            await off_loop(journal.remove)
         return digest
 
     def _upload_journal(self, fd: int, plan: Plan, key: str, path: str, if_absent: bool,
@@ -410,7 +412,7 @@ class Transfer:
                 raise
             raise named from exc
         if journal is not None:
-            journal.remove()
+            await off_loop(journal.remove)
         return FileResult(key, path, FileDigest(meta.size, chunk, combine(digests)))
 
     def _write_whole(self, key: str, path: str, meta: ObjectMeta, expected: FileDigest | None, plan: Plan,
