@@ -313,16 +313,13 @@ class Session:
 
 
 def _read_tree(top: str) -> None:
-    """Read every file below ``top`` (or ``top`` itself) into the page cache, skipping those removed meanwhile."""
+    """Read every file below ``top`` (or ``top`` itself) into the page cache."""
     buf = bytearray(8 << 20)
     paths = [top] if os.path.isfile(top) else [os.path.join(d, n) for d, _, names in os.walk(top) for n in names]
     for path in paths:
-        try:
-            with open(path, "rb", buffering=0) as f:
-                while f.readinto(buf):
-                    pass
-        except FileNotFoundError:  # removed meanwhile (the S3 server deletes the chunks of deleted objects late)
-            continue
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
 
 
 def _title(doc: dict[str, Any]) -> str:
