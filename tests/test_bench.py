@@ -37,6 +37,10 @@ def _load(out: str) -> dict:
     return doc
 
 
+_SETTLED = ("sync, page cache emptied and the source re-read", "sync")
+"""What ``bench.run`` does before each run by default: the first where it may drop the page cache."""
+
+
 def _check_doc(doc: dict, engines: list[str], directions: tuple[str, ...]) -> None:
     assert {"meta", "summary", "targets", "runs"} <= set(doc)
     assert len(doc["meta"]["load_start"]) == 3 and "load_end" in doc["meta"]
@@ -58,8 +62,8 @@ def test_machine_cpu_counts_idle_and_busy_time() -> None:
     before = machine_cpu()
     if before is None:
         pytest.skip("no /proc/stat")
-    end = time.monotonic() + 0.2
-    while time.monotonic() < end:  # busy: at least 20 ticks of one CPU pass
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:  # busy: 30 ticks of one CPU pass
         pass
     after = machine_cpu()
     assert after is not None
@@ -134,8 +138,7 @@ def test_local_round_json_and_verified_peers(tmp_path: Path) -> None:
     doc = _load(out)
     _check_doc(doc, ["fastckpt", "cp", "pyarrow"], ("upload", "download"))
     assert doc["meta"]["knobs"] == {"fsync": False} and doc["meta"]["reference"] == {"4MiB": "fastckpt"}
-    dropped = os.access("/proc/sys/vm/drop_caches", os.W_OK)
-    assert doc["meta"]["settle"] == ("sync, page cache emptied and the source re-read" if dropped else "sync")
+    assert doc["meta"]["settle"] in _SETTLED
     assert sorted(os.listdir(work)) == ["ckpt-4MiB-s0", "ckpt-4MiB-s0.done"]
 
 
@@ -175,10 +178,11 @@ def test_s3_round_and_silent_peer_failure_caught(tmp_path: Path, ckpt: str, monk
         assert not result["ok"] or problems
         out = str(tmp_path / "out")
         assert main(["s3", "--size", "4MiB", "--rounds", "1", "--engines", "fastckpt,pyarrow,s5cmd", "--out", out,
-                     "--endpoint", server.endpoint, "--workdir", str(tmp_path / "work"), "--no-settle"]) == 0
+                     "--endpoint", server.endpoint, "--workdir", str(tmp_path / "work")]) == 0
     doc = _load(out)
     _check_doc(doc, ["fastckpt", "pyarrow", "s5cmd"], ("upload", "download"))
     assert doc["meta"]["server"] == {"endpoint": server.endpoint}
+    assert doc["meta"]["settle"] in _SETTLED
 
 
 def test_state_bench_runs_every_local_engine(tmp_path: Path) -> None:
