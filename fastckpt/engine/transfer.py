@@ -160,11 +160,10 @@ class Transfer:
             await self._abort_quietly(key, stale)
         written = _written(fd)
         mpu = await self._resume(journal, key, plan, if_absent)
-        fresh = mpu is None
         if mpu is None:
             mpu = await self.start_upload(key, plan.part_size, pre.metadata() if pre else None, if_absent)
         try:
-            if fresh and journal is not None:
+            if journal is not None and not journal.resumed:  # fresh (or the old one was gone)
                 await off_loop(functools.partial(journal.start, upload_id=mpu.upload_id))
             target = mpu.local_fd()
             if target is not None and not (journal is not None and journal.resumed):  # a local file: copied
