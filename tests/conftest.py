@@ -9,8 +9,10 @@ suite runs once per backend: memory, local, and every server module found; or, w
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import pkgutil
+import shutil
 import tempfile
 import uuid
 
@@ -24,8 +26,10 @@ from . import servers
 # Persistent injected faults fail after ``retries`` attempts, not after the default two-minute retry budget
 # (subprocesses and Ray workers read it from the environment too).
 os.environ.setdefault("FASTCKPT_RETRY_FOR", "0")
-# Upload journals (resume) of the whole session go to a scratch directory, not ~/.cache.
-os.environ.setdefault("FASTCKPT_STATE_DIR", tempfile.mkdtemp(prefix="fastckpt-state-"))
+# Upload journals (resume) of the whole session go to a scratch directory, not ~/.cache, removed at exit.
+if "FASTCKPT_STATE_DIR" not in os.environ:
+    os.environ["FASTCKPT_STATE_DIR"] = tempfile.mkdtemp(prefix="fastckpt-state-")
+    atexit.register(shutil.rmtree, os.environ["FASTCKPT_STATE_DIR"], ignore_errors=True)
 
 SERVER_BACKENDS = sorted(m.name for m in pkgutil.iter_modules(servers.__path__))
 pytest_plugins = [f"tests.servers.{name}" for name in SERVER_BACKENDS]

@@ -71,6 +71,21 @@ def test_machine_cpu_counts_idle_and_busy_time() -> None:
     assert total >= 20 and 0 <= idle < total
 
 
+def test_targets_of_small_files_are_files_per_second_against_s5cmd() -> None:
+    from bench.report import check_targets
+
+    def row(size: str, engine: str, direction: str, mib_s: float) -> dict:
+        return {"size": size, "engine": engine, "direction": direction, "mib_s": mib_s, "cpu_s_per_gib": 3.0,
+                "peak_rss_mib": 60.0}
+
+    rows = [row(size, engine, direction, rate) for size in ("1GiB", "5000files") for direction in ("upload", "download")
+            for engine, rate in (("fastckpt", 100.0 if direction == "upload" else 95.0), ("s5cmd", 96.0))]
+    got = {(t["size"], t["target"]): t["pass"] for t in check_targets(rows, s3=True)}
+    assert got[("5000files", "upload >= 1.0x s5cmd")] and not got[("5000files", "download >= 1.0x s5cmd")]
+    assert not got[("1GiB", "upload >= 1.5x s5cmd")] and ("1GiB", "download CPU <= 0.5 s/GiB") in got
+    assert not any(size == "5000files" and ("1.5x" in target or "<=" in target) for size, target in got)
+
+
 def test_generator_follows_llama_layout(ckpt: str) -> None:
     from safetensors import safe_open
 
