@@ -63,7 +63,7 @@ def _find(rows: list[dict[str, Any]], size: str, engine: str, direction: str) ->
 
 
 def check_targets(rows: list[dict[str, Any]], s3: bool) -> list[dict[str, Any]]:
-    """Issue 8's targets (ratios to peers in the same run, CPU, flat RSS) as pass/fail rows."""
+    """Issues 8 and 13's targets (ratios to peers in the same run, CPU, flat RSS) as pass/fail rows."""
     out = []
     sizes = list(dict.fromkeys(r["size"] for r in rows))
     for size in sizes:
