@@ -315,7 +315,7 @@ class Session:
 def _read_tree(top: str) -> None:
     """Read every file below ``top`` (or ``top`` itself) into the page cache."""
     buf = bytearray(8 << 20)
-    paths = [top] if os.path.isfile(top) else [os.path.join(d, n) for d, _, names in os.walk(top) for n in names]
+    paths = [top] if os.path.isfile(top) else list(verify.local_files(top).values())
     for path in paths:
         with open(path, "rb", buffering=0) as f:
             while f.readinto(buf):
