@@ -138,7 +138,7 @@ def prepare_fastckpt(spec: Spec) -> Timed:
     meter = HashMeter()
     meter.install()
     config = fastckpt_config(spec.get("knobs", {}))
-    from fastckpt.integrity import NATIVE
+    from fastckpt.native import NATIVE
 
     def run() -> dict[str, Any]:
         if spec["direction"] == "upload":

@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 
 import xxhash  # noqa: E402
 
-from fastckpt import integrity  # noqa: E402
+from fastckpt import fileio, native  # noqa: E402
 from fastckpt.config import parse_size  # noqa: E402
 
 GiB = 1 << 30
@@ -86,7 +86,7 @@ def hash_rows(buf_size: int, seconds: float, rounds: int, workdir: str) -> list[
         return call
 
     def py_read_and_hash(fd: int, offset: int, buf: Any) -> bytes:
-        integrity.read_exact(fd, offset, memoryview(buf))
+        fileio.read_exact(fd, offset, memoryview(buf))
         return xxhash.xxh3_128_digest(buf)
 
     cases: list[tuple[str, str, Callable[[int], object]]] = [
@@ -189,7 +189,7 @@ async def _probed(src: str | None, dst: str, part_size: int, fsync: bool, idle_s
     done.set()
     await probe_task
     p99 = statistics.quantiles(lags, n=100)[98] if len(lags) >= 100 else max(lags, default=0.0)
-    return {"native": integrity.NATIVE, "wall_s": wall,
+    return {"native": native.NATIVE, "wall_s": wall,
             "cpu_s": (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime),
             "max_stall_ms": max(lags, default=0.0) * 1e3, "p99_stall_ms": p99 * 1e3, "probes": len(lags),
             "digest": digest}
@@ -321,7 +321,7 @@ def main() -> None:
     try:
         result: dict[str, Any] = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "xxhash_package": xxhash.VERSION, "native": integrity.native_info(),
+            "python": platform.python_version(), "xxhash_package": xxhash.VERSION, "native": native.native_info(),
             "rounds": args.rounds,
             "hash": hash_rows(parse_size(args.buffer), args.seconds, args.rounds, workdir),
             "hash_stall": stall_rows(parse_size(args.buffer), max(args.seconds, 1.0)),

@@ -125,11 +125,11 @@ def cmd_demo(args: argparse.Namespace) -> dict[str, object]:
 
 
 def cmd_doctor(args: argparse.Namespace) -> dict[str, object]:
-    from . import integrity
+    from . import native
     from ._loop import uvloop
     from .stores import backend_status
 
-    return {"version": __version__, "python": sys.version.split()[0], "native_accelerator": integrity.native_info(),
+    return {"version": __version__, "python": sys.version.split()[0], "native_accelerator": native.native_info(),
             "uvloop": uvloop is not None, "backends": backend_status(), "config": TransferConfig.from_env().__dict__}
 
 

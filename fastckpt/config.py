@@ -1,13 +1,57 @@
-"""Transfer settings, with environment overrides (``FASTCKPT_PART_SIZE=64MiB`` and so on)."""
+"""Configuration: transfer settings with environment overrides (``FASTCKPT_PART_SIZE=64MiB`` and so on), and every
+process-wide setting read from the environment (a backend's own variables are read by its options object).
+One rule parses a boolean everywhere: ``parse_bool``."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
+from urllib.parse import SplitResult, urlsplit
+from urllib.request import getproxies_environment, proxy_bypass_environment
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
           "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def parse_bool(text: str, what: str) -> bool:
+    """``true``/``false``, ``1``/``0``, ``yes``/``no``, ``on``/``off`` (any case); ValueError naming ``what``
+    for anything else."""
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise ValueError(f"invalid {what}={text!r} is not a boolean (use true or false)")
+
+
+def env_flag(name: str, default: bool, env: Mapping[str, str] | None = None) -> bool:
+    """Boolean environment variable ``name``; ``default`` when it is unset or blank."""
+    text = (os.environ if env is None else env).get(name, "")
+    return parse_bool(text, name) if text.strip() else default
+
+
+def default_state_dir(env: Mapping[str, str] | None = None) -> str:
+    """Where fastckpt keeps its state (upload journals): ``$FASTCKPT_STATE_DIR``, else ``$XDG_CACHE_HOME/fastckpt``,
+    else ``~/.cache/fastckpt``."""
+    env = os.environ if env is None else env
+    return env.get("FASTCKPT_STATE_DIR") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fastckpt")
+
+
+def proxy_for(scheme: str, host: str) -> SplitResult | None:
+    """The proxy ``HTTPS_PROXY`` / ``HTTP_PROXY`` name for ``scheme``, unless ``NO_PROXY`` exempts ``host``
+    (the environment variables botocore, requests and curl read)."""
+    proxies = getproxies_environment()
+    url = proxies.get(scheme)
+    if not url or proxy_bypass_environment(host, proxies):
+        return None
+    return urlsplit(url if "://" in url else f"http://{url}")
 
 
 def parse_size(text: str | int) -> int:
@@ -59,13 +103,18 @@ class TransferConfig:
     """Keep journals so that a killed or interrupted multipart transfer, run again with the same arguments,
     continues where it stopped (``engine.journal``); parts already stored are re-checked before use."""
     state_dir: str = ""
-    """Where upload journals live (default ``$FASTCKPT_STATE_DIR``, else ``~/.cache/fastckpt``)."""
+    """Where fastckpt keeps its state, upload journals below it (default: ``default_state_dir()``)."""
     verify: bool = True
     """Check digests on download when the object records one."""
     digest_metadata: bool = True
     """Store the file digest as object metadata (may need a hashing pass before an S3 multipart upload)."""
     fsync: bool = True
     """fsync downloaded files and local-store writes before they become visible."""
+
+    @property
+    def journal_dir(self) -> str:
+        """Where upload journals are kept."""
+        return os.path.join(self.state_dir or default_state_dir(), "uploads")
 
     @classmethod
     def from_env(cls, **overrides: object) -> TransferConfig:
@@ -83,9 +132,7 @@ def _convert(name: str, type_name: object, text: str) -> object:
     kind = str(type_name)
     try:
         if kind == "bool":
-            if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-                raise ValueError(text)
-            return text.lower() in ("1", "true", "yes", "on")
+            return parse_bool(text, f"FASTCKPT_{name.upper()}")
         if kind == "float":
             return float(text)
         if name in ("part_size", "range_size", "multipart_threshold", "min_rate"):

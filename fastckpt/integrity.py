@@ -1,5 +1,5 @@
-"""Chunk and file digests (XXH3-128); through the native accelerator when it is built and turned on
-(``FASTCKPT_NATIVE=1``: it measured 0.94x the CPU and 1.0x the speed of the pure path on a 1 GiB upload,
+"""Chunk and file digests (XXH3-128); through the native accelerator (``fastckpt.native``) when it is built and
+turned on (``FASTCKPT_NATIVE=1``: it measured 0.94x the CPU and 1.0x the speed of the pure path on a 1 GiB upload,
 short of what would make it the default).
 
 A chunk's digest is XXH3-128 of its bytes. A file's digest is XXH3-128 of its chunk digests in order;
@@ -9,46 +9,17 @@ it splits its own requests.
 
 from __future__ import annotations
 
-import importlib
-import os
 from dataclasses import dataclass
-from types import ModuleType
 
 import xxhash
 
 from .errors import IntegrityError
+from .fileio import read_exact
+from .native import native as _native
 
 DIGEST_ALGO = "xxh3-128"
 META_DIGEST = "fastckpt-xxh3"
 META_CHUNK = "fastckpt-chunk"
-WRITE_SLICE = 1 << 20
-"""Bytes per ``pwrite``: one huge write into the page cache costs several times what the same bytes cost in
-slices (measured: 1 GiB in 32 MiB writes 0.5-1.6 CPU-s, in 1 MiB writes 0.28)."""
-
-
-def _load_native() -> tuple[ModuleType | None, str]:
-    """The native accelerator module (or None) and a word on why."""
-    if os.environ.get("FASTCKPT_NATIVE", "0").lower() not in ("1", "true", "yes", "on"):
-        return None, "off (FASTCKPT_NATIVE=1 turns it on)"
-    try:
-        module = importlib.import_module(f"{__package__}._native")
-    except ModuleNotFoundError:
-        return None, "not built"
-    except ImportError as exc:  # built, but e.g. libxxhash.so is missing
-        return None, f"failed to load: {exc}"
-    return module, "loaded"
-
-
-_native, _NATIVE_STATUS = _load_native()
-NATIVE = _native is not None
-
-
-def native_info() -> dict[str, object]:
-    """What ``fastckpt doctor`` shows about the native accelerator."""
-    info: dict[str, object] = {"native": NATIVE, "status": _NATIVE_STATUS}
-    if _native is not None:
-        info.update(path=_native.__file__, xxhash=_native.XXHASH_VERSION, dispatch=bool(_native.DISPATCH))
-    return info
 
 
 def hash_chunk(data: bytes | bytearray | memoryview) -> bytes:
@@ -106,34 +77,6 @@ def read_and_hash(fd: int, offset: int, buf: memoryview) -> bytes:
         return _native.read_and_hash(fd, offset, buf)
     read_exact(fd, offset, buf)
     return xxhash.xxh3_128_digest(buf)
-
-
-def read_exact(fd: int, offset: int, buf: memoryview) -> None:
-    """Fill ``buf`` from ``fd`` at ``offset``; short reads are retried, EOF raises."""
-    _check_offset(offset)
-    done = 0
-    while done < len(buf):
-        n = os.preadv(fd, [buf[done:]], offset + done)
-        if n == 0:
-            raise EOFError(f"end of file at byte {offset + done}: wanted {len(buf)} bytes from offset {offset}, "
-                           f"got {done}")
-        done += n
-
-
-def write_at(fd: int, offset: int, buf: memoryview) -> None:
-    """Write all of ``buf`` to ``fd`` at ``offset``."""
-    if _native is not None:
-        _native.write_at(fd, offset, buf)
-        return
-    _check_offset(offset)
-    done = 0
-    while done < len(buf):
-        done += os.pwritev(fd, [buf[done:done + WRITE_SLICE]], offset + done)
-
-
-def _check_offset(offset: int) -> None:
-    if offset < 0:  # os.preadv/pwritev would use the file position instead
-        raise ValueError(f"offset must be >= 0, got {offset}")
 
 
 def combine(chunk_digests: list[bytes]) -> str:

@@ -9,6 +9,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
+from .config import parse_bool
+
 BACKEND_OF_SCHEME = {
     "s3": "s3",
     "s3a": "s3",
@@ -76,18 +78,8 @@ class StorageURI:
 
 
 def parse_flag(name: str, value: str | None, where: str) -> bool | None:
-    """A boolean option: ``true``/``false``, ``1``/``0``, ``yes``/``no``, ``on``/``off``; None when absent.
-
-    The same rule on every backend: a blank or any other value is an error naming the option.
-    """
-    if value is None:
-        return None
-    text = value.strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"invalid {where}: option {name}={value!r} is not a boolean (use true or false)")
+    """A boolean option (``config.parse_bool``: the same rule on every backend); None when absent."""
+    return None if value is None else parse_bool(value, f"{where}: option {name}")
 
 
 _SECRET_PARAM = re.compile(r"(?i)([?&](?:sig|signature|sas|token|[a-z0-9_-]*(?:key|secret|password|credential|"

@@ -7,8 +7,8 @@ import random
 from collections.abc import AsyncIterator
 
 from fastckpt.errors import StoreError, TransientStoreError
-from fastckpt.http import FileRange
-from fastckpt.stores.base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
+from fastckpt.stores.base import MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
+from fastckpt.transport import Buffer, FileRange
 
 
 class FaultInjectingStore(Store):

@@ -26,7 +26,7 @@ from fastckpt.stores.azure import (
     resolve_endpoint,
     shared_key_signer,
 )
-from fastckpt.stores.base import Buffer, BufferReceiver
+from fastckpt.transport import Buffer, BufferReceiver
 from harness.faults import FaultInjectingStore
 
 from .conftest import small_config

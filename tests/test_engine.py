@@ -268,8 +268,8 @@ async def test_a_ring_sink_that_cannot_write_stops_its_request(tmp_path) -> None
 async def test_a_retried_receive_asks_only_for_what_did_not_land() -> None:
     """A request that fails mid-body is retried from the first byte that had not landed, into the same
     receiver."""
-    from fastckpt.stores.base import BufferReceiver
     from fastckpt.stores.retry import RetryingStore
+    from fastckpt.transport import BufferReceiver
 
     class CutOff(MemoryStore):
         calls: list[tuple[int, int]] = []

@@ -17,10 +17,10 @@ import trustme
 
 from fastckpt.engine import sink as sinks
 from fastckpt.engine.sink import RingSink
-from fastckpt.http import FileRange, HttpClient, ProtocolError, SendfileUnsupported
+from fastckpt.http import HttpClient
 from fastckpt.http import connection as connections
 from fastckpt.integrity import hash_chunks
-from fastckpt.stores.base import BufferReceiver, Receiver
+from fastckpt.transport import BufferReceiver, FileRange, ProtocolError, Receiver, SendfileUnsupported
 
 DATA = os.urandom(3 << 20)
 

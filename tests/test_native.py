@@ -24,7 +24,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastckpt import integrity
+from fastckpt import fileio, integrity
+from fastckpt import native as accelerator
 
 CHUNK = 64 << 10  # also the native GIL threshold, so both sides of it are covered
 SIZES = [0, 1, 3, 15, 16, 17, 128, 129, 240, 241, 1001, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7, (8 << 20) + 13]
@@ -62,8 +63,9 @@ def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Sim
         return SimpleNamespace(xxh3_128=mod.xxh3_128, chunks=mod.xxh3_128_chunks,
                                read_and_hash=mod.read_and_hash, write_at=mod.write_at)
     monkeypatch.setattr(integrity, "_native", None)
+    monkeypatch.setattr(fileio, "_native", None)
     return SimpleNamespace(xxh3_128=integrity.hash_chunk, chunks=integrity.hash_chunks,
-                           read_and_hash=integrity.read_and_hash, write_at=integrity.write_at)
+                           read_and_hash=integrity.read_and_hash, write_at=fileio.write_at)
 
 
 def ref_chunks(data: bytes, chunk: int) -> list[bytes]:
@@ -85,14 +87,14 @@ def test_native_required_when_asked() -> None:
         pytest.skip("FASTCKPT_REQUIRE_NATIVE is not set")
     assert NATIVE_MODULE is not None, "FASTCKPT_REQUIRE_NATIVE=1 but fastckpt._native is not built"
     if not NATIVE_OFF:
-        assert integrity.NATIVE and integrity.native_info()["status"] == "loaded"
+        assert accelerator.NATIVE and accelerator.native_info()["status"] == "loaded"
 
 
 def test_native_info_matches_module() -> None:
-    info = integrity.native_info()
-    assert info["native"] is integrity.NATIVE
-    assert integrity.NATIVE == (NATIVE_MODULE is not None and not NATIVE_OFF)
-    if integrity.NATIVE:
+    info = accelerator.native_info()
+    assert info["native"] is accelerator.NATIVE
+    assert accelerator.NATIVE == (NATIVE_MODULE is not None and not NATIVE_OFF)
+    if accelerator.NATIVE:
         assert info["xxhash"] == NATIVE_MODULE.XXHASH_VERSION
         assert Path(str(info["path"])).name.startswith("_native")
 
@@ -295,7 +297,7 @@ def test_native_file_io_releases_gil(native: ModuleType, tmp_path: Path) -> None
 
 ROUND_TRIP = """
 import json, os, sys
-from fastckpt import TransferConfig, integrity
+from fastckpt import TransferConfig, native
 from fastckpt.api import download, upload
 src, store, out = sys.argv[1:4]
 config = TransferConfig(part_size=256 << 10, multipart_threshold=256 << 10, max_in_flight=4)
@@ -303,7 +305,7 @@ up = upload(src, f"file://{store}/ckpt", config=config)
 down = download(f"file://{store}/ckpt", out, config=config)
 def digests(results):
     return sorted((os.path.basename(r.path), r.digest.size, r.digest.chunk_size, r.digest.digest) for r in results)
-print(json.dumps({"native": integrity.NATIVE, "up": digests(up), "down": digests(down)}))
+print(json.dumps({"native": native.NATIVE, "up": digests(up), "down": digests(down)}))
 """
 
 

@@ -17,7 +17,8 @@ import pytest
 
 from fastckpt import open_store, parse_uri
 from fastckpt.cli import main as cli_main
-from fastckpt.engine.journal import Journal, state_dir
+from fastckpt.config import TransferConfig
+from fastckpt.engine.journal import Journal
 from fastckpt.engine.plan import plan_upload
 from fastckpt.engine.transfer import Transfer
 from fastckpt.stores.local import TMP_SUFFIX
@@ -124,7 +125,7 @@ async def test_killed_upload_resumes(store_uri: str, tmp_path: Path, backend: st
     key = parse_uri(store_uri).join("model.bin")
     src, data = sample(store_uri, tmp_path)
     kill_midway("up", store_uri, key, src)
-    assert len(await pending(store_uri, key)) == 1 and os.listdir(state_dir())
+    assert len(await pending(store_uri, key)) == 1 and os.listdir(TransferConfig().journal_dir)
     sent = await counted(store_uri, "up", key, src)
     print(f"{backend}: resumed upload sent {sent} of {PARTS} parts ({DONE} were stored before the kill)")
     assert sent == PARTS - DONE

@@ -642,22 +642,22 @@ def test_keys_from_the_environment_as_botocore_takes_them() -> None:
 def test_sync_calls_keep_one_store_per_location(moto_server, monkeypatch, tmp_path) -> None:
     """``fastckpt.upload`` / ``download`` called again on a location reuse its open store (one client, one
     connection pool); the same URI reaching another endpoint through the environment gets a store of its own."""
-    from fastckpt import kept
+    from fastckpt.stores import cache
 
     path, data = make_file(tmp_path, "step.bin", 3)
     base = f"s3://{BUCKET}/t-{uuid.uuid4().hex[:12]}"
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
-    before = dict(kept._open)
+    before = dict(cache._open)
     for step in range(3):
         fastckpt.upload(path, f"{base}/step-{step}/w.bin")
         fastckpt.download(f"{base}/step-{step}/w.bin", tmp_path / f"back-{step}")
         assert (tmp_path / f"back-{step}").read_bytes() == data
-    [store] = [s for k, s in kept._open.items() if k not in before]
+    [store] = [s for k, s in cache._open.items() if k not in before]
     assert store.endpoint_url == moto_server.endpoint and store._http is not None
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     with pytest.raises(StoreError, match="cannot reach S3 endpoint"):
         fastckpt.download(f"{base}/step-0/w.bin", tmp_path / "nowhere", config=small_config(retries=0))
-    assert len(kept._open) == len(before) + 2
+    assert len(cache._open) == len(before) + 2
 
 
 def test_sync_api_with_env_endpoint(moto_server, monkeypatch, tmp_path) -> None:

@@ -317,12 +317,12 @@ def test_dcp_reader_refuses_an_uncommitted_save(tmp_path: Path) -> None:
 
 def test_saves_and_loads_in_one_process_share_one_store() -> None:
     """A loop that saves every N steps opens its store once (clients and connections are kept)."""
-    from fastckpt import kept
+    from fastckpt.stores import cache
 
-    base, before = "memory://kept-store/run", len(kept._open)
+    base, before = "memory://kept-store/run", len(cache._open)
     staging = ft.Staging()
     for step in range(3):
         ft.async_save({"w": torch.full((64,), float(step))}, f"{base}/step-{step}", staging=staging).wait()
     ft.save({"w": torch.zeros(3)}, f"{base}/step-3")
     assert torch.all(ft.load(f"{base}/step-2")["w"] == 2.0)
-    assert len(kept._open) == before + 1
+    assert len(cache._open) == before + 1

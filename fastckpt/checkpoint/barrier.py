@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from ..config import TransferConfig
-from ..engine.tasks import gather_all
 from ..errors import CheckpointError, ObjectNotFoundError
 from ..stores.base import Store
+from ..tasks import gather_all
 from ..uri import join_key
 from .manifest import parse_rank_name, rank_key
 from .storage import read_object

@@ -16,14 +16,14 @@ from typing import TypeVar
 
 from .._loop import run_sync
 from ..config import TransferConfig
-from ..engine.io import paths_below
+from ..engine.paths import paths_below
 from ..engine.progress import ProgressCallback
-from ..engine.tasks import gather_bounded
 from ..engine.transfer import FileResult, Transfer
 from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError, StoreError
 from ..integrity import FileDigest
 from ..stores import open_store
 from ..stores.base import ObjectMeta, PendingUpload, Store
+from ..tasks import gather_bounded
 from ..uri import StorageURI, join_key, parse_uri
 from .manifest import (
     META_DIR,

@@ -32,17 +32,17 @@ from typing import cast
 
 from .._loop import BackgroundLoop
 from ..config import TransferConfig
-from ..engine.io import local_files
 from ..engine.memory import Layout, hash_layout, upload_layout
+from ..engine.paths import local_files
 from ..engine.plan import plan_upload
 from ..engine.progress import ProgressCallback
-from ..engine.tasks import gather_bounded
 from ..engine.transfer import FileResult, Transfer
 from ..errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
 from ..integrity import FileDigest, combine
 from ..stores import open_store
 from ..stores.base import Store
 from ..stores.retry import retrying
+from ..tasks import gather_bounded
 from ..uri import StorageURI, parse_uri
 from .barrier import Barrier, BarrierError, BarrierTimeoutError, Rendezvous, default_barrier
 from .manifest import (

@@ -5,9 +5,8 @@ resume to be safe), then one line per part once it is stored, with the part's XX
 transfer trusts a journaled part only after checking it again: an upload re-hashes the local part and
 asks the store whether it still holds that part; a download re-hashes the bytes in its partial file.
 
-Upload journals live in the state directory (``TransferConfig.state_dir``, else ``$FASTCKPT_STATE_DIR``,
-else ``~/.cache/fastckpt``), one per (destination URI, source path); a download's journal lies beside its
-partial file, both hidden (``.<name>.*.fastckpt-part``) and removed once the file is in place.
+Upload journals live in ``TransferConfig.journal_dir``, one per (destination URI, source path); a download's
+journal lies beside its partial file, both hidden (``.<name>.*.fastckpt-part``) and removed once the file is in place.
 """
 
 from __future__ import annotations
@@ -18,13 +17,6 @@ import os
 from collections.abc import Mapping
 
 from ..stores.local import TMP_SUFFIX
-
-
-def state_dir(configured: str = "") -> str:
-    """Where upload journals are kept."""
-    base = configured or os.environ.get("FASTCKPT_STATE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fastckpt")
-    return os.path.join(base, "uploads")
 
 
 def resumable_paths(path: str) -> tuple[str, str]:

@@ -13,10 +13,11 @@ from collections.abc import Iterable
 
 from ..errors import AlreadyExistsError, IntegrityError
 from ..integrity import ChunkHasher, FileDigest, combine, hash_chunks
-from ..stores.base import Buffer, PartInfo, Store
-from .io import off_loop
+from ..stores.base import PartInfo, Store
+from ..tasks import gather_all
+from ..threads import off_loop
+from ..transport import Buffer
 from .plan import plan_upload
-from .tasks import gather_all
 from .transfer import Transfer
 
 

@@ -21,10 +21,10 @@ import threading
 from collections.abc import Awaitable
 
 from ..errors import StoreError
-from ..http import ProtocolError
-from ..integrity import ChunkHasher, read_exact, write_at
-from ..stores.base import Receiver
-from .io import io_executor, socket_executor
+from ..fileio import read_exact, write_at
+from ..integrity import ChunkHasher
+from ..threads import io_executor, socket_executor
+from ..transport import ProtocolError, Receiver
 
 SLICE = 1 << 20
 """Bytes that land before they are hashed and written."""

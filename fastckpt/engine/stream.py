@@ -28,12 +28,13 @@ from typing import TypeVar
 from ..config import TransferConfig
 from ..errors import IntegrityError, StoreError
 from ..integrity import FileDigest, combine, hash_chunk, hash_chunks
-from ..stores.base import Buffer, MultipartUpload, ObjectMeta, PartInfo, Store
+from ..stores.base import MultipartUpload, ObjectMeta, PartInfo, Store
 from ..stores.retry import retrying
-from .io import off_loop
+from ..tasks import gather_all
+from ..threads import off_loop
+from ..transport import Buffer
 from .plan import plan_download, plan_upload
 from .pool import BufferPool
-from .tasks import gather_all
 
 T = TypeVar("T")
 DIGEST_KEYS = frozenset(FileDigest(0, 1, "").metadata())

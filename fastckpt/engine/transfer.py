@@ -14,18 +14,19 @@ from dataclasses import dataclass
 
 from ..config import TransferConfig
 from ..errors import AlreadyExistsError, IntegrityError, ObjectNotFoundError, StoreError
-from ..http import FileRange, SendfileUnsupported, body_size
-from ..integrity import FileDigest, combine, hash_chunks, read_and_hash, read_exact, write_at
+from ..fileio import read_exact, write_at
+from ..integrity import FileDigest, combine, hash_chunks, read_and_hash
 from ..stores.base import MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
 from ..stores.local import partial_path
 from ..stores.retry import retrying
-from .io import off_loop, start_io_threads
-from .journal import Journal, resumable_paths, state_dir
+from ..tasks import gather_all
+from ..threads import off_loop, start_io_threads
+from ..transport import FileRange, SendfileUnsupported, body_size
+from .journal import Journal, resumable_paths
 from .plan import Plan, plan_copy, plan_download, plan_upload
 from .pool import BufferPool
 from .progress import Progress, ProgressCallback
 from .sink import RING, RingSink, copy_and_hash, hash_file_range
-from .tasks import gather_all
 
 log = logging.getLogger("fastckpt")
 _NO_MAPPING = {errno.ENODEV, errno.EINVAL}
@@ -199,7 +200,7 @@ class Transfer:
         if not self.config.resume:
             return None, None
         st = os.fstat(fd)
-        journal = Journal.for_upload(state_dir(self.config.state_dir), self.store.uri(key), path, {
+        journal = Journal.for_upload(self.config.journal_dir, self.store.uri(key), path, {
             "size": plan.size, "mtime_ns": st.st_mtime_ns, "part_size": plan.part_size, "if_absent": if_absent,
             "digest": pre.digest if pre else None})
         found = journal.load()

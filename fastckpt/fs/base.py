@@ -27,12 +27,12 @@ import pyarrow.fs as pafs
 from .._loop import BackgroundLoop
 from ..config import TransferConfig
 from ..engine.stream import StreamReader, StreamWriter
-from ..engine.tasks import gather_all
 from ..engine.transfer import FileResult, Transfer
 from ..errors import ObjectNotFoundError
 from ..stores import open_store
 from ..stores.base import Store
 from ..stores.retry import retrying
+from ..tasks import gather_all
 from ..uri import BACKEND_OF_SCHEME, StorageURI, parse_uri, redact
 from .files import InputFile, OutputStream, ReaderHandle, WriterHandle
 

@@ -17,13 +17,13 @@ created (also on unpickling in Ray workers); ``FASTCKPT_PATCH_COPY_FILES=0`` tur
 
 from __future__ import annotations
 
-import os
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow.fs as pafs
 
+from ..config import env_flag
 from .base import FastckptHandler
 from .files import OutputStream
 
@@ -41,7 +41,7 @@ def handler_of(fs: object) -> Any:
 def install_copy_files_guard() -> None:
     """Make ``pyarrow.fs.copy_files`` this module's ``copy_files`` (idempotent)."""
     global _ORIGINAL
-    if os.environ.get("FASTCKPT_PATCH_COPY_FILES", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_flag("FASTCKPT_PATCH_COPY_FILES", True):
         return
     if getattr(pafs.copy_files, "fastckpt_guard", False):
         return

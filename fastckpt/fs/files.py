@@ -16,7 +16,7 @@ import pyarrow as pa
 from .._loop import BackgroundLoop
 from ..engine.stream import StreamReader, StreamWriter
 from ..integrity import FileDigest
-from ..stores.base import Buffer
+from ..transport import Buffer
 
 T = TypeVar("T")
 Runner = Callable[[Coroutine[Any, Any, T]], T]

@@ -13,30 +13,17 @@ import socket
 import ssl
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 from urllib.parse import SplitResult, unquote, urlsplit
-from urllib.request import getproxies_environment, proxy_bypass_environment
 
-from .connection import Body, Connection, ProtocolError, Response, body_size
-
-if TYPE_CHECKING:
-    from ..stores.base import Receiver
+from ..config import proxy_for
+from ..transport import Body, ProtocolError, Receiver, body_size
+from .connection import ClosedBeforeResponse, Connection, Response
 
 
 def _check_header(text: str) -> str:
     if "\r" in text or "\n" in text:
         raise ValueError(f"line break in an HTTP header: {text!r}")
     return text
-
-
-def proxy_for(scheme: str, host: str) -> SplitResult | None:
-    """The proxy ``HTTPS_PROXY`` / ``HTTP_PROXY`` name for ``scheme``, unless ``NO_PROXY`` exempts ``host``
-    (the environment variables botocore, requests and curl read)."""
-    proxies = getproxies_environment()
-    url = proxies.get(scheme)
-    if not url or proxy_bypass_environment(host, proxies):
-        return None
-    return urlsplit(url if "://" in url else f"http://{url}")
 
 
 class HttpClient:
@@ -87,8 +74,8 @@ class HttpClient:
                 reused = conn.used
                 try:
                     resp = await conn.request(head, pieces, into, head_only=method == "HEAD")
-                except ProtocolError as exc:
-                    if attempt == 0 and reused and "before any response" in str(exc):
+                except ClosedBeforeResponse:
+                    if attempt == 0 and reused:
                         continue  # the server had closed it while idle
                     raise
                 if not conn.closed and not self._closed:

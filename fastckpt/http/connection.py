@@ -24,14 +24,11 @@ import select
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import httptools
 
-from ..engine.io import socket_executor
-
-if TYPE_CHECKING:
-    from ..stores.base import Receiver
+from ..threads import socket_executor
+from ..transport import Body, FileRange, ProtocolError, Receiver, SendfileUnsupported, body_size
 
 SCRATCH = 64 << 10
 """Bytes received per socket read while no caller's buffer takes them (heads, error bodies)."""
@@ -39,34 +36,12 @@ HANDOFF = 256 << 10
 """Bodies from this many bytes are offered to the receiver's thread (``Receiver.from_socket``)."""
 MAX_BODY = 16 << 20
 """Largest body accepted into memory (error answers, bodies without a caller's buffer)."""
-
-
-@dataclass(frozen=True)
-class FileRange:
-    """``length`` bytes at ``offset`` of the open file ``fd``, as a request body: sent by the kernel from the file
-    (plain TCP connections only, see ``HttpClient.sends_files``)."""
-
-    fd: int
-    offset: int
-    length: int
-
-
-Body = bytes | bytearray | memoryview | FileRange
 _NO_SENDFILE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
 
 
-def body_size(piece: Body) -> int:
-    """Bytes of a body piece."""
-    return piece.length if isinstance(piece, FileRange) else memoryview(piece).nbytes
-
-
-class SendfileUnsupported(Exception):
-    """The kernel cannot send this file with ``sendfile`` (its filesystem does not support it): send it from a
-    buffer. Not an ``OSError``, so that no layer takes it for a broken connection and retries."""
-
-
-class ProtocolError(ConnectionError):
-    """The server broke HTTP/1.1 or the connection closed mid-message (retryable, like a reset)."""
+class ClosedBeforeResponse(ProtocolError):
+    """The connection closed before any byte of the response arrived (a kept-alive connection the server had
+    closed while it sat idle, when it was reused)."""
 
 
 @dataclass
@@ -131,7 +106,8 @@ class Connection(asyncio.BufferedProtocol):
         self._release_sink()
         if self._done is not None and not self._done.done():
             what = "reset" if exc else "closed by the server"
-            self._done.set_exception(ProtocolError(
+            error = ProtocolError if self._got_any else ClosedBeforeResponse
+            self._done.set_exception(error(
                 f"connection {what} {'mid-response' if self._got_any else 'before any response'}"
                 + (f": {exc}" if exc else "")))
 

@@ -43,15 +43,16 @@ from azure.storage.blob import __version__ as VERSION
 from azure.storage.blob.aio import BlobClient, BlobPrefix, ContainerClient
 
 from ..config import TransferConfig
-from ..engine.tasks import gather_bounded
 from ..errors import AccessDeniedError, BucketNotFoundError, ObjectNotFoundError, StoreError
-from ..http import HttpClient, ProtocolError, Response
+from ..http import HttpClient, Response
+from ..tasks import gather_bounded
+from ..transport import Buffer, ProtocolError
 from ..uri import StorageURI, check_options, parse_flag
-from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, ReceivingStore, in_prefix
+from .base import ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, ReceivingStore, in_prefix
 from .classify import ErrorTable, classify, unreachable
 
 if TYPE_CHECKING:
-    from .base import Receiver
+    from ..transport import Receiver
 
 MiB = 1 << 20
 EMULATOR_ACCOUNT = "devstoreaccount1"

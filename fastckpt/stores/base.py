@@ -13,17 +13,12 @@ retries live in one wrapper (``stores.retry.RetryingStore``), applied by ``open_
 from __future__ import annotations
 
 import abc
-import asyncio
-import functools
-import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ..errors import ObjectNotFoundError
-from ..http import FileRange
+from ..transport import Buffer, BufferReceiver, FileRange, Receiver
 from ..uri import StorageURI
-
-Buffer = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True)
@@ -62,70 +57,6 @@ class PendingUpload:
     key: str
     upload_id: str
     started: float = 0.0
-
-
-class Receiver:
-    """Where a read's bytes land, as they arrive: ``free()`` is the room for the next ones (empty while there
-    is none), ``landed(n)`` records that the first ``n`` bytes of that room were filled; ``count`` bytes have
-    landed in all, and ``remaining`` more are accepted. A receiver out of room calls ``wake`` (set by whoever
-    waits for room) once it has some again."""
-
-    count = 0
-    wake: Callable[[], None] | None = None
-
-    @property
-    def remaining(self) -> int:
-        """Bytes still accepted."""
-        raise NotImplementedError
-
-    def free(self) -> memoryview:
-        """The room for the next bytes."""
-        raise NotImplementedError
-
-    def landed(self, n: int) -> None:
-        """``n`` bytes were written at the start of the last ``free()``."""
-        self.count += n
-
-    def from_socket(self, sock: int, head: bytes, n: int, stop: threading.Event) -> asyncio.Future[None] | None:
-        """Take the next ``n`` bytes, ``head`` and then the rest read straight from socket ``sock`` (plain TCP,
-        which the caller leaves alone meanwhile), on a worker thread; the future ends once the thread is done
-        with the socket, and ``stop`` set makes it end early. ``count`` grows by the bytes taken, failed or not.
-        None when this receiver cannot (its bytes then land through ``free()``)."""
-        return None
-
-    def woken(self) -> None:
-        """There is room again: tell whoever waits."""
-        if self.wake is not None:
-            self.wake()
-
-    async def room(self) -> None:
-        """Wait until ``free()`` is not empty."""
-        while not len(self.free()):
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self.wake = functools.partial(_settle, waiter)
-            try:
-                await waiter
-            finally:
-                self.wake = None
-
-
-def _settle(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
-class BufferReceiver(Receiver):
-    """Bytes received into one buffer, from its start."""
-
-    def __init__(self, buf: memoryview) -> None:
-        self.buf = buf
-
-    @property
-    def remaining(self) -> int:
-        return self.buf.nbytes - self.count
-
-    def free(self) -> memoryview:
-        return self.buf[self.count:]
 
 
 class MultipartUpload(abc.ABC):

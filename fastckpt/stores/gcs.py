@@ -47,16 +47,17 @@ from gcloud.aio.auth import Token
 from gcloud.aio.storage import Storage
 
 from ..config import TransferConfig
-from ..engine.tasks import gather_bounded
 from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError, TransientStoreError
 from ..http import HttpClient, Response
+from ..tasks import gather_bounded
+from ..transport import Buffer
 from ..uri import StorageURI, check_options
-from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, ReceivingStore, in_prefix
+from .base import ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, ReceivingStore, in_prefix
 from .classify import ErrorTable, classify, unreachable
 from .conditional import IfAbsentGuard
 
 if TYPE_CHECKING:
-    from .base import Receiver
+    from ..transport import Receiver
 
 T = TypeVar("T")
 log = logging.getLogger("fastckpt")

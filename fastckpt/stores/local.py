@@ -15,9 +15,11 @@ from collections.abc import AsyncIterator
 
 from ..config import TransferConfig
 from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError
-from ..integrity import hash_chunks, read_exact, write_at
+from ..fileio import read_exact, write_at
+from ..integrity import hash_chunks
+from ..transport import Buffer
 from ..uri import StorageURI, check_options
-from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix, read_range
+from .base import MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix, read_range
 
 TMP_SUFFIX = ".fastckpt-part"
 _XATTR = "user.fastckpt."

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from ..config import TransferConfig
 from ..errors import AlreadyExistsError, ObjectNotFoundError, StoreError
 from ..integrity import hash_chunks
+from ..transport import Buffer
 from ..uri import StorageURI, check_options
-from .base import Buffer, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+from .base import MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
 
 
 @dataclass

@@ -34,8 +34,8 @@ from typing import Any, TypeVar
 
 from ..config import TransferConfig
 from ..errors import TransientStoreError
-from ..http import FileRange, body_size
-from .base import Buffer, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Receiver, Store
+from ..transport import Buffer, FileRange, Receiver, body_size
+from .base import ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
 from .classify import EndpointUnreachableError
 
 T = TypeVar("T")

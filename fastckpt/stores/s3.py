@@ -59,20 +59,10 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from ..http import FileRange, HttpClient, ProtocolError, Response, body_size
+from ..http import HttpClient, Response
+from ..transport import Buffer, BufferReceiver, FileRange, ProtocolError, Receiver, body_size
 from ..uri import StorageURI, check_options
-from .base import (
-    Buffer,
-    BufferReceiver,
-    ListPage,
-    MultipartUpload,
-    ObjectMeta,
-    PartInfo,
-    PendingUpload,
-    Receiver,
-    ReceivingStore,
-    in_prefix,
-)
+from .base import ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, ReceivingStore, in_prefix
 from .classify import ErrorTable, classify, unreachable
 from .conditional import IfAbsentGuard
 from .sigv4 import UNSIGNED_PAYLOAD, S3Signer, env_credentials

@@ -44,11 +44,11 @@ from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..checkpoint.writer import CheckpointWriter, attempt_from_env, new_attempt_id
 from ..config import TransferConfig
 from ..engine.memory import Layout, read_layout
-from ..engine.tasks import gather_all
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError
-from ..kept import store_for
 from ..stores.base import Store
+from ..stores.cache import store_for
+from ..tasks import gather_all
 from ..uri import StorageURI, parse_uri
 from .staging import byte_view
 

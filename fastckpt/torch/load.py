@@ -10,12 +10,12 @@ import torch
 from .._loop import BackgroundLoop
 from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..config import TransferConfig
-from ..engine.io import off_loop
 from ..engine.memory import Layout, read_layout
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError
 from ..integrity import FileDigest
-from ..kept import store_for
+from ..stores.cache import store_for
+from ..threads import off_loop
 from ..uri import StorageURI, parse_uri
 from .format import Header, TensorEntry, flatten, header_length, parse_header, unflatten
 from .save import rank_file
