@@ -7,11 +7,11 @@ import posixpath
 
 from ._loop import BackgroundLoop
 from .config import TransferConfig
+from .engine.open_stores import store_for
 from .engine.paths import local_files, paths_below
 from .engine.progress import ProgressCallback
 from .engine.transfer import FileResult, Transfer
 from .errors import ObjectNotFoundError
-from .stores.cache import store_for
 from .uri import StorageURI, join_key, parse_uri
 
 PathLike = str | os.PathLike[str]

@@ -136,8 +136,9 @@ class _FaultyUpload(MultipartUpload):
     async def abort(self) -> None:
         await self._inner.abort()
 
+    @property
     def sends_files(self) -> bool:
-        return self._inner.sends_files()
+        return self._inner.sends_files
 
     async def stored_part(self, index: int, size: int, token: str, digest: str) -> PartInfo | None:
         return await self._inner.stored_part(index, size, token, digest)

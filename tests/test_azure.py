@@ -20,12 +20,14 @@ from fastckpt.engine.transfer import Transfer
 from fastckpt.stores.azure import (
     EMULATOR_ACCOUNT,
     EMULATOR_KEY,
+    AzureOptions,
     AzureStore,
     decode_metadata_key,
     encode_metadata_key,
     resolve_endpoint,
     shared_key_signer,
 )
+from fastckpt.stores.azure.client import AzureClient
 from fastckpt.transport import Buffer, BufferReceiver
 from harness.faults import FaultInjectingStore
 
@@ -152,11 +154,17 @@ async def test_abort_keeps_the_committed_blob(azure_uri: str) -> None:
             await mpu.put_part(1, b"x")
 
 
-class WrongMd5Store(AzureStore):
+class WrongMd5Client(AzureClient):
     """Sends the Content-MD5 of other bytes, as if the payload had been corrupted after hashing."""
 
-    async def _md5(self, data: Buffer) -> bytes | None:
+    async def md5(self, data: Buffer) -> bytes | None:
         return hashlib.md5(b"other bytes").digest()
+
+
+class WrongMd5Store(AzureStore):
+    def __init__(self, container: str, options: AzureOptions) -> None:
+        super().__init__(container, options)
+        self.client = WrongMd5Client(container, options, max_connections=16)
 
 
 async def test_service_checks_the_content_md5(azure_uri: str) -> None:
@@ -173,9 +181,9 @@ async def test_service_checks_the_content_md5(azure_uri: str) -> None:
 
 
 def test_content_md5_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert offline_store().content_md5
+    assert offline_store().options.content_md5
     monkeypatch.setenv("FASTCKPT_AZURE_CONTENT_MD5", "0")
-    assert not offline_store().content_md5
+    assert not offline_store().options.content_md5
 
 
 # ----------------------------------------------------------------------------- URI forms and credentials
@@ -214,7 +222,7 @@ async def test_account_key_and_sas_from_environment(azure_uri: str, azurite: Azu
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", EMULATOR_ACCOUNT)
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", EMULATOR_KEY)
     async with open_store(uri, small_config()) as store:
-        assert store.endpoint.source == "the account key from the environment"  # type: ignore[attr-defined]
+        assert store.options.source == "the account key from the environment"  # type: ignore[attr-defined]
         await store.put(uri.join("by-key"), b"k")
     monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_KEY")
     sas = generate_container_sas(EMULATOR_ACCOUNT, CONTAINER, account_key=EMULATOR_KEY,
@@ -222,7 +230,7 @@ async def test_account_key_and_sas_from_environment(azure_uri: str, azurite: Azu
                                  expiry=datetime.now(timezone.utc) + timedelta(hours=1))
     monkeypatch.setenv("AZURE_STORAGE_SAS_TOKEN", "?" + sas)
     async with open_store(uri, small_config()) as store:
-        assert store.endpoint.source == "AZURE_STORAGE_SAS_TOKEN"  # type: ignore[attr-defined]
+        assert store.options.source == "AZURE_STORAGE_SAS_TOKEN"  # type: ignore[attr-defined]
         await store.put(uri.join("by-sas"), b"s")
         assert sorted([m.key async for m in store.list(uri.key)]) == [uri.join("by-key"), uri.join("by-sas")]
         with pytest.raises(AccessDeniedError, match="AZURE_STORAGE_SAS_TOKEN"):
@@ -335,13 +343,13 @@ async def test_sdk_internals_this_backend_reads_keep_their_shape(azure_uri: str)
     async with open_store(uri, small_config()) as store:
         await store.put(uri.join("shape"), b"0123456789")
         buf = bytearray(4)
-        resp = await store.inner.send("GET", uri.join("shape"), "", {"x-ms-range": "bytes=2-5"},
+        resp = await store.inner.client.send("GET", uri.join("shape"), "", {"x-ms-range": "bytes=2-5"},
                                       into=BufferReceiver(memoryview(buf)))
         assert resp.status == 206 and buf == b"2345"
         sign = shared_key_signer(EMULATOR_ACCOUNT, EMULATOR_KEY)
         headers = sign("GET", "http://h/devstoreaccount1/c/k", {"x-ms-date": "Thu, 03 Dec 2026 10:00:00 GMT"})
         assert headers["Authorization"].startswith(f"SharedKey {EMULATOR_ACCOUNT}:")
-        store.inner._sign = shared_key_signer(EMULATOR_ACCOUNT, base64.b64encode(b"wrong key").decode())
+        store.inner.client.sign = shared_key_signer(EMULATOR_ACCOUNT, base64.b64encode(b"wrong key").decode())
         with pytest.raises(AccessDeniedError):
             await store.read_into(uri.join("shape"), 0, memoryview(buf))
     import azure.storage.blob._shared.authentication as authentication

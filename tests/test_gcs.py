@@ -89,9 +89,10 @@ async def test_emulator_refuses_33_sources_like_gcs(gcs) -> None:
     store, uri = gcs
     names = [uri.join(f"src/{i}") for i in range(COMPOSE_LIMIT + 1)]
     await asyncio.gather(*(store.put(n, b"x") for n in names))
-    assert (await store.compose(uri.join("ok"), names[:COMPOSE_LIMIT]))["size"] in (COMPOSE_LIMIT, str(COMPOSE_LIMIT))
+    composed = await store.client.compose(uri.join("ok"), names[:COMPOSE_LIMIT])
+    assert composed["size"] in (COMPOSE_LIMIT, str(COMPOSE_LIMIT))
     with pytest.raises(StoreError, match="32") as info:
-        await store.compose(uri.join("too-many"), names)
+        await store.client.compose(uri.join("too-many"), names)
     assert not isinstance(info.value, TransientStoreError)
 
 
@@ -182,10 +183,10 @@ async def test_endpoint_override_wins_over_emulator_host(gcs_uri: str, monkeypat
 async def test_crc32c_mismatch_rejected(gcs) -> None:
     store, uri = gcs
     with pytest.raises(TransientStoreError, match="CRC32C"):
-        await store.upload_object(uri.join("bad"), memoryview(b"payload"), crc="AAAAAA==")
+        await store.client.upload_object(uri.join("bad"), memoryview(b"payload"), crc="AAAAAA==")
     with pytest.raises(ObjectNotFoundError):
         await store.head(uri.join("bad"))
-    await store.upload_object(uri.join("good"), memoryview(b"payload"))  # the computed CRC32C is accepted
+    await store.client.upload_object(uri.join("good"), memoryview(b"payload"))  # the computed CRC32C is accepted
 
 
 async def test_bad_credentials_one_line(gcs_server: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

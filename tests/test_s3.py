@@ -40,7 +40,8 @@ from fastckpt.engine.plan import plan_upload
 from fastckpt.engine.transfer import Transfer
 from fastckpt.integrity import META_CHUNK, META_DIGEST, FileDigest
 from fastckpt.stores.s3 import RECORD_DIR, RECORD_ETAG, RECORD_MARK, S3Store, resolve_endpoint
-from fastckpt.stores.sigv4 import StaticCredentials, env_credentials
+from fastckpt.stores.s3.options import env_credentials
+from fastckpt.stores.s3.sigv4 import StaticCredentials
 from harness.faults import FaultInjectingStore
 from harness.procs import free_port
 from harness.s3 import BUCKET, MotoServer, start_moto, stop_moto
@@ -79,8 +80,8 @@ async def s3(s3_uri: str):
 async def record_data_path(store, method: str, hold=None) -> list[dict]:
     """Headers (lower-case names) of each ``method`` request the store sends on its HTTP data path, its target
     under ``:target``; ``hold``: an async callable each such request awaits before it goes out."""
-    await store._data_path()
-    http = store._http
+    await store.client._data_path()
+    http = store.client.data.client
     sent: list[dict] = []
     send = http.request
 
@@ -105,7 +106,7 @@ def pending_on_server(server: MotoServer, prefix: str) -> list[dict]:
 async def test_many_parts_in_flight_on_one_client(s3_uri, tmp_path) -> None:
     uri = parse_uri(s3_uri)
     store = open_store(uri, small_config())
-    client = await store.client()
+    client = await store.client.sdk()
     assert client.meta.config.max_pool_connections == small_config().max_in_flight + 16
     want, waiting, gate = 4, [0], asyncio.Event()
 
@@ -122,7 +123,7 @@ async def test_many_parts_in_flight_on_one_client(s3_uri, tmp_path) -> None:
     try:
         result = await transfer.upload_file(path, uri.join("big"))
         assert waiting[0] == 6 + 1 and gate.is_set()  # six parts, then the record of the completion
-        assert await store.client() is client  # one client per store, no per-part clients
+        assert await store.client.sdk() is client  # one client per store, no per-part clients
         assert await store.get_range(uri.join("big"), 0, len(data)) == data
     finally:
         transfer.close()
@@ -211,7 +212,7 @@ async def test_parts_go_from_the_file_to_the_socket(s3, moto_server, tmp_path, s
     assert transfer.pool.allocated == 0
     down = await transfer.download_file(uri.join("sent"), str(tmp_path / "back"))
     transfer.close()
-    assert sum(sendfile_bytes) == len(data) and store.sends_files
+    assert sum(sendfile_bytes) == len(data) and store.client.sends_files
     assert (tmp_path / "back").read_bytes() == data and up.digest == down.digest
 
 
@@ -535,7 +536,7 @@ async def test_credential_sources(moto_server, monkeypatch, tmp_path, source: st
             uri += "&profile=ckpt"
     store = open_store(uri, small_config())
     try:
-        client = await store.client()
+        client = await store.client.sdk()
         sent = await record_data_path(store, "GET")
         if source == "anonymous":  # unsigned reads of a public object
             raw_client(moto_server).put_object(Bucket=BUCKET, Key=f"{prefix}/obj", Body=b"payload",
@@ -559,7 +560,7 @@ async def test_credential_sources(moto_server, monkeypatch, tmp_path, source: st
 async def test_region_option_and_missing_profile(moto_server) -> None:
     store = open_store(moto_server.uri(BUCKET, "p") + "&region=ap-south-1", small_config())
     try:
-        assert (await store.client()).meta.region_name == "ap-south-1"
+        assert (await store.client.sdk()).meta.region_name == "ap-south-1"
     finally:
         await store.close()
     store = open_store(moto_server.uri(BUCKET, "p") + "&profile=no-such-profile", small_config())
@@ -585,7 +586,7 @@ async def test_endpoint_override_reaches_local_server(moto_server, monkeypatch, 
     store = open_store(uri, small_config(), retry=False)
     try:
         assert isinstance(store, S3Store)
-        assert store.endpoint_url == moto_server.endpoint and store.addressing_style == "path"
+        assert store.options.endpoint_url == moto_server.endpoint and store.client.addressing_style == "path"
         await store.put(f"{prefix}/hello", b"hi", metadata={"k": "v"})
     finally:
         await store.close()
@@ -642,7 +643,7 @@ def test_keys_from_the_environment_as_botocore_takes_them() -> None:
 def test_sync_calls_keep_one_store_per_location(moto_server, monkeypatch, tmp_path) -> None:
     """``fastckpt.upload`` / ``download`` called again on a location reuse its open store (one client, one
     connection pool); the same URI reaching another endpoint through the environment gets a store of its own."""
-    from fastckpt.stores import cache
+    from fastckpt.engine import open_stores as cache
 
     path, data = make_file(tmp_path, "step.bin", 3)
     base = f"s3://{BUCKET}/t-{uuid.uuid4().hex[:12]}"
@@ -653,7 +654,7 @@ def test_sync_calls_keep_one_store_per_location(moto_server, monkeypatch, tmp_pa
         fastckpt.download(f"{base}/step-{step}/w.bin", tmp_path / f"back-{step}")
         assert (tmp_path / f"back-{step}").read_bytes() == data
     [store] = [s for k, s in cache._open.items() if k not in before]
-    assert store.endpoint_url == moto_server.endpoint and store._http is not None
+    assert store.options.endpoint_url == moto_server.endpoint and store.client.data.started
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     with pytest.raises(StoreError, match="cannot reach S3 endpoint"):
         fastckpt.download(f"{base}/step-0/w.bin", tmp_path / "nowhere", config=small_config(retries=0))
@@ -678,7 +679,7 @@ async def test_client_settings_and_knobs(s3_uri: str, monkeypatch, tmp_path, kno
     uri = parse_uri(s3_uri)
     store = open_store(uri, small_config())
     try:
-        client = await store.client()
+        client = await store.client.sdk()
         config = client.meta.config
         assert config.retries["total_max_attempts"] == 1  # the engine retries, botocore does not
         if knobs == "defaults":
@@ -699,7 +700,7 @@ async def test_client_settings_and_knobs(s3_uri: str, monkeypatch, tmp_path, kno
         assert len(sent) == 2 + 1  # two parts and the record; no SDK checksum on the data path: XXH3 digests
         # check the bytes end to end
         assert not any(k.startswith(("x-amz-checksum-", "x-amz-trailer")) for h in sent for k in h)
-        assert store.sends_files == (knobs == "defaults")  # a signed payload is read to be hashed: from buffers
+        assert store.client.sends_files == (knobs == "defaults")  # a signed payload is read to be hashed: from buffers
         signed = {h["x-amz-content-sha256"] for h in sent}
         assert signed == ({"UNSIGNED-PAYLOAD"} if knobs == "defaults" else signed - {"UNSIGNED-PAYLOAD"})
     finally:
@@ -720,7 +721,7 @@ def test_the_data_path_signs_as_botocore_does(monkeypatch, origin: str, token: s
     from botocore.config import Config
     from botocore.credentials import Credentials
 
-    from fastckpt.stores.sigv4 import UNSIGNED_PAYLOAD, S3Signer
+    from fastckpt.stores.s3.sigv4 import UNSIGNED_PAYLOAD, S3Signer
 
     now = datetime.datetime(2026, 12, 4, 23, 59, 58, tzinfo=datetime.timezone.utc)
     monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: now)
@@ -757,7 +758,7 @@ async def test_a_bucket_in_another_region_is_followed_there(moto_server, tmp_pat
     raw_client(moto_server).create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
     store = open_store(moto_server.uri(bucket, "p"), small_config())
     try:
-        client, (_, _, signer) = await store.client(), await store._data_path()
+        client, (_, _, signer) = await store.client.sdk(), await store.client._data_path()
         assert client.meta.region_name == "us-east-1" and signer.region == "eu-west-1"
         path, data = make_file(tmp_path, "f", PART + 9)
         transfer = Transfer(store, small_config())
@@ -804,12 +805,12 @@ async def test_a_restore_from_an_endpoint_of_ones_own_builds_no_botocore_client(
     transfer.close()
     assert {rel: (tmp_path / rel).read_bytes() for rel in ("a", "b/c", "d")} == {
         key[2:]: body for key, body in data.items()}
-    assert store.inner._client is None and store.inner._http is not None
+    assert store.inner.client._sdk is None and store.inner.client.data.started
 
 
 async def test_list_pagination_and_batched_deletes(s3) -> None:
     store, uri = s3
-    client = await store.client()
+    client = await store.client.sdk()
     deletes = [0]
 
     def count(**_: object) -> None:
@@ -939,7 +940,7 @@ async def test_data_path_requests_pass_signature_checks(auth_server, monkeypatch
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", keys["writer"][1])
     store = open_store(server.uri(BUCKET, "signed"), small_config())
     try:
-        await store.client()
+        await store.client.sdk()
         puts = await record_data_path(store, "PUT")
         gets = await record_data_path(store, "GET")
         path, data = make_file(tmp_path, "f", 2 * PART + 3)

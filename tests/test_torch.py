@@ -317,7 +317,7 @@ def test_dcp_reader_refuses_an_uncommitted_save(tmp_path: Path) -> None:
 
 def test_saves_and_loads_in_one_process_share_one_store() -> None:
     """A loop that saves every N steps opens its store once (clients and connections are kept)."""
-    from fastckpt.stores import cache
+    from fastckpt.engine import open_stores as cache
 
     base, before = "memory://kept-store/run", len(cache._open)
     staging = ft.Staging()

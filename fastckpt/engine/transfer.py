@@ -275,7 +275,7 @@ class Transfer:
         buffers, measured), else read into a pooled buffer, hashed and sent from it."""
         offset, length = plan.part(index)
         sent = None
-        if mpu.sends_files() and self._send_files:
+        if mpu.sends_files and self._send_files:
             sent = await self._send_from_file(fd, offset, length, index, mpu, journal)
         if sent is None:
             async with self.pool.buffer(length) as buf:

@@ -13,8 +13,9 @@ retries live in one wrapper (``stores.retry.RetryingStore``), applied by ``open_
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from ..errors import ObjectNotFoundError
 from ..transport import Buffer, BufferReceiver, FileRange, Receiver
@@ -68,6 +69,8 @@ class MultipartUpload(abc.ABC):
 
     key: str
     upload_id: str
+    stored: Mapping[int, PartInfo] = MappingProxyType({})
+    """Parts an earlier process stored, by index (filled by ``Store.resume_multipart``; empty for a new upload)."""
 
     @abc.abstractmethod
     async def put_part(self, index: int, data: Buffer | FileRange) -> PartInfo:
@@ -86,6 +89,7 @@ class MultipartUpload(abc.ABC):
     async def abort(self) -> None:
         """Discard the upload and its parts. Safe to call more than once."""
 
+    @property
     def sends_files(self) -> bool:
         """Whether ``put_part`` takes a ``FileRange`` of an open file, sent from it by the kernel (the bytes never
         pass through a buffer); False: buffers only."""
@@ -100,7 +104,7 @@ class MultipartUpload(abc.ABC):
         """Part ``index`` as already stored by an earlier process (``Store.resume_multipart``), when it is
         ``size`` bytes and is what that process recorded: the same ``token`` (an S3 ETag, a block id ...), or,
         where the backend reads it back, the same XXH3 hex ``digest``. None: the part must be sent again."""
-        part = getattr(self, "stored", {}).get(index)
+        part = self.stored.get(index)
         return part if part is not None and part.size == size and part.token == token else None
 
 

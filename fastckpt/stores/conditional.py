@@ -11,6 +11,7 @@ can still be overwritten).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 
 from ..errors import AlreadyExistsError, ObjectNotFoundError, StoreError
@@ -53,3 +54,23 @@ class IfAbsentGuard:
         except ObjectNotFoundError:
             return False
         raise AlreadyExistsError(f"{where} already exists")
+
+
+async def probe(write: Callable[[bool], Awaitable[object]], delete: Callable[[], Awaitable[object]],
+                unsupported: Callable[[StoreError], bool] = lambda exc: False) -> bool:
+    """Whether a server honours a create-if-absent precondition: a throw-away object is written (``write(False)``),
+    then written again with the precondition (``write(True)``), which an honouring server refuses; the object is
+    deleted either way. ``unsupported(exc)`` tells an error that says the server does not know the precondition."""
+    await write(False)
+    try:
+        await write(True)
+        return False
+    except AlreadyExistsError:
+        return True
+    except StoreError as exc:
+        if unsupported(exc):
+            return False
+        raise
+    finally:
+        with contextlib.suppress(StoreError):
+            await delete()

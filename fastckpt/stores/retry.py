@@ -236,8 +236,9 @@ class _RetryingUpload(MultipartUpload):
     async def abort(self) -> None:
         await self._store._retry(f"abort of upload of {self.key}", self._inner.abort)
 
+    @property
     def sends_files(self) -> bool:
-        return self._inner.sends_files()
+        return self._inner.sends_files
 
     def local_fd(self) -> int | None:
         return self._inner.local_fd()

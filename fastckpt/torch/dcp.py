@@ -44,10 +44,10 @@ from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..checkpoint.writer import CheckpointWriter, attempt_from_env, new_attempt_id
 from ..config import TransferConfig
 from ..engine.memory import Layout, read_layout
+from ..engine.open_stores import store_for
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError
 from ..stores.base import Store
-from ..stores.cache import store_for
 from ..tasks import gather_all
 from ..uri import StorageURI, parse_uri
 from .staging import byte_view

@@ -11,10 +11,10 @@ from .._loop import BackgroundLoop
 from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..config import TransferConfig
 from ..engine.memory import Layout, read_layout
+from ..engine.open_stores import store_for
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError
 from ..integrity import FileDigest
-from ..stores.cache import store_for
 from ..threads import off_loop
 from ..uri import StorageURI, parse_uri
 from .format import Header, TensorEntry, flatten, header_length, parse_header, unflatten

@@ -13,8 +13,8 @@ from ..checkpoint.barrier import Barrier
 from ..checkpoint.writer import CheckpointWriter, CommitResult
 from ..config import TransferConfig
 from ..engine.memory import Layout
+from ..engine.open_stores import store_for
 from ..stores.base import Store
-from ..stores.cache import store_for
 from ..uri import parse_uri
 from .format import build_header, flatten
 from .staging import Staging, byte_view, default_staging, distributed_defaults

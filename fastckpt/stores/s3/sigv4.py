@@ -2,16 +2,13 @@
 per-request cost (0.5 ms of Python a request, most of a small file's client CPU; this takes ~0.03 ms).
 
 ``tests/test_s3.py`` checks it against botocore's signer request for request (methods, keys, queries,
-session tokens, signed and unsigned payloads). Keys in the environment are read here as botocore's first
-provider reads them, so a store that needs nothing else from botocore never imports it.
+session tokens, signed and unsigned payloads).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Protocol
@@ -41,16 +38,6 @@ class StaticCredentials:
 
     async def get_frozen_credentials(self) -> StaticCredentials:
         return self
-
-
-def env_credentials(environ: Mapping[str, str] = os.environ) -> StaticCredentials | None:
-    """The keys in the environment, where botocore's first provider would take them as they are (both keys set,
-    no ``AWS_CREDENTIAL_EXPIRATION``: such keys are refreshed); None otherwise (botocore's chain decides)."""
-    key, secret = environ.get("AWS_ACCESS_KEY_ID"), environ.get("AWS_SECRET_ACCESS_KEY")
-    if not key or not secret or environ.get("AWS_CREDENTIAL_EXPIRATION"):
-        return None
-    # botocore's order (``EnvProvider.TOKENS``): the older name first
-    return StaticCredentials(key, secret, environ.get("AWS_SECURITY_TOKEN") or environ.get("AWS_SESSION_TOKEN"))
 
 
 class S3Signer:

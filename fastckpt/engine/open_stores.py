@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 
 from .._loop import BackgroundLoop
 from ..config import TransferConfig
+from ..stores import open_store
+from ..stores.base import Store
 from ..uri import StorageURI
-from . import open_store
-from .base import Store
 
 _open: dict[tuple[object, TransferConfig], Store] = {}
 

@@ -1,0 +1,156 @@
+"""``AzureStore``: the store protocol on one Azure Blob Storage container (requests through ``AzureClient``)."""
+
+from __future__ import annotations
+
+import re
+
+from azure.storage.blob.aio import BlobPrefix
+
+from ...errors import BucketNotFoundError, ObjectNotFoundError
+from ...tasks import gather_bounded
+from ...transport import Buffer, Receiver
+from ..base import ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, ReceivingStore, in_prefix
+from ..datapath import ranged
+from .client import AzureClient, decode_metadata, encode_metadata
+from .options import AzureOptions
+from .upload import MAX_BLOCKS, AzureUpload
+
+MiB = 1 << 20
+
+
+class AzureStore(ReceivingStore):
+    """Blobs of one container. Small files are one ``Put Blob`` (Content-MD5 checked by the service), large ones
+    an ``AzureUpload``; create-if-absent sends ``If-None-Match: *``."""
+
+    name = "azure"
+    scheme = "az"
+    min_part_size = 1
+    max_part_size = 4000 * MiB
+    max_parts = MAX_BLOCKS
+
+    def __init__(self, container: str, options: AzureOptions, *, max_connections: int = 16,
+                 connection_timeout: float = 20, read_timeout: float = 60) -> None:
+        self.container = self.bucket = container
+        self.options = options
+        self.client = AzureClient(container, options, max_connections=max_connections,
+                                  connection_timeout=connection_timeout, read_timeout=read_timeout)
+
+    def __repr__(self) -> str:
+        return f"AzureStore({self.options.url}/{self.container})"
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def head(self, key: str) -> ObjectMeta:
+        try:
+            props = await self.client.blob(key).get_blob_properties()
+        except Exception as exc:
+            raise self.client.errors.translate(exc, key) from exc
+        return ObjectMeta(key, props.size, props.last_modified.timestamp(), props.etag, decode_metadata(props.metadata))
+
+    async def receive(self, key: str, start: int, length: int, into: Receiver) -> int:
+        """One ranged Get Blob on the HTTP data path, its body received straight by ``into``."""
+        if not length:
+            return 0
+        resp = await self.client.send("GET", key, "", {"x-ms-range": f"bytes={start}-{start + length - 1}"},
+                                      into=into)
+        return ranged(resp, start, self.client.errors.url(key), self.options.url)
+
+    async def put(
+        self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None
+    ) -> None:
+        md5 = await self.client.md5(data)
+        extra = {"transactional_content_md5": md5} if md5 else {}
+        try:
+            await self.client.blob(key).upload_blob(
+                data if isinstance(data, bytes) else bytes(data), length=len(data), overwrite=not if_absent,
+                metadata=encode_metadata(metadata), max_concurrency=1, **extra)
+        except Exception as exc:
+            raise self.client.errors.translate(exc, key, if_absent=if_absent) from exc
+
+    async def list_page(self, prefix: str, delimiter: str | None = None, token: str | None = None) -> ListPage:
+        """One List Blobs request (a hierarchical listing when ``delimiter`` is given)."""
+        container = self.client.container_client()
+        options = {"name_starts_with": prefix or None, "include": ["metadata"], "results_per_page": 1000}
+        paged = (container.walk_blobs(delimiter=delimiter, **options) if delimiter
+                 else container.list_blobs(**options))
+        pages = paged.by_page(continuation_token=token)
+        objects: list[ObjectMeta] = []
+        prefixes: list[str] = []
+        try:
+            async for item in await pages.__anext__():
+                if isinstance(item, BlobPrefix):
+                    prefixes.append(item.name)
+                else:
+                    objects.append(ObjectMeta(item.name, item.size, item.last_modified.timestamp(), item.etag,
+                                              decode_metadata(item.metadata)))
+        except StopAsyncIteration:
+            pass
+        except Exception as exc:
+            raise self.client.errors.translate(exc, None) from exc
+        return ListPage(objects, prefixes, pages.continuation_token or None)
+
+    async def delete(self, key: str) -> None:
+        try:
+            await self.client.blob(key).delete_blob()
+        except Exception as exc:
+            err = self.client.errors.translate(exc, key)
+            if type(err) is not ObjectNotFoundError:
+                raise err from exc
+
+    async def delete_many(self, keys: list[str]) -> None:
+        await gather_bounded([self.delete(k) for k in keys], self.client.max_connections)
+
+    async def create_multipart(
+        self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
+    ) -> MultipartUpload:
+        return AzureUpload(self, key, dict(metadata or {}), if_absent)
+
+    async def resume_multipart(self, key: str, upload_id: str, part_size: int, *,
+                               if_absent: bool = False) -> MultipartUpload | None:
+        """The blob's uncommitted blocks of this upload (their ids start with the upload id)."""
+        if not re.fullmatch(r"[0-9a-f]{18}", upload_id):
+            return None
+        upload = AzureUpload(self, key, {}, if_absent, upload_id)
+        try:
+            _, uncommitted = await self.client.blob(key).get_block_list("uncommitted")
+        except Exception as exc:
+            error = self.client.errors.translate(exc, key)
+            if type(error) is ObjectNotFoundError:
+                return upload
+            raise error from exc
+        for block in uncommitted:
+            index = block.id[len(upload_id):]
+            if block.id.startswith(upload_id) and index.isdigit():
+                upload.stored[int(index)] = PartInfo(int(index), block.size, block.id)
+        return upload
+
+    async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
+        """Blobs that have staged (uncommitted) blocks and no committed version.
+
+        Uncommitted blocks staged over an existing committed blob are not reported: Azure lists only
+        the committed blob then (they are discarded by its next commit, or after 7 days).
+        """
+        prefix = prefix.strip("/")
+        container = self.client.container_client()
+        try:
+            committed = {b.name async for b in container.list_blobs(name_starts_with=prefix or None)}
+            return [PendingUpload(b.name, f"uncommitted:{b.name}", b.last_modified.timestamp())
+                    async for b in container.list_blobs(name_starts_with=prefix or None,
+                                                        include=["uncommittedblobs"])
+                    if b.name not in committed and in_prefix(b.name, prefix)]
+        except Exception as exc:
+            raise self.client.errors.translate(exc, None) from exc
+
+    async def abort_pending_upload(self, upload: PendingUpload) -> None:
+        await self.discard_uncommitted(upload.key)
+
+    async def discard_uncommitted(self, key: str) -> None:
+        """Drop the staged blocks of ``key`` when it has no committed version (deleting that blob
+        is the only way to); blocks staged over a committed blob are left to expire."""
+        try:
+            await self.head(key)
+        except BucketNotFoundError:
+            raise
+        except ObjectNotFoundError:
+            await self.delete(key)
