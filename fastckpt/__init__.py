@@ -23,7 +23,7 @@ from .checkpoint import (
     verify_async,
 )
 from .config import TransferConfig
-from .engine.transfer import FileResult
+from .engine.session import FileResult
 from .errors import (
     AccessDeniedError,
     AlreadyExistsError,

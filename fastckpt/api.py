@@ -10,7 +10,8 @@ from .config import TransferConfig
 from .engine.open_stores import store_for
 from .engine.paths import local_files, paths_below
 from .engine.progress import ProgressCallback
-from .engine.transfer import FileResult, Transfer
+from .engine.session import FileResult
+from .engine.transfer import Transfer
 from .errors import ObjectNotFoundError
 from .uri import StorageURI, join_key, parse_uri
 

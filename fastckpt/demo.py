@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .checkpoint import SyncCheckpointWriter, download_checkpoint, verify
-from .checkpoint.writer import new_attempt_id
+from .checkpoint.attempt import new_attempt_id
 from .config import TransferConfig
 from .engine.progress import ProgressCallback
 

@@ -25,6 +25,7 @@ from fastckpt.checkpoint import (
     SyncCheckpointWriter,
     attempt_from_env,
 )
+from fastckpt.checkpoint.barrier import HandedBarrier
 from fastckpt.checkpoint.manifest import check_name, digest_of, marker_key, meta_prefix, rank_key
 from fastckpt.uri import StorageURI
 from harness.uris import below
@@ -215,6 +216,21 @@ async def test_same_name_twice_on_one_rank(fast_uri: str, tmp_path) -> None:
         with pytest.raises(CheckpointError, match="twice"):
             await w.put_file(src, "a//b.bin/")
     assert w.result is not None and w.result.files == 1
+
+
+async def test_refused_handed_rank_logs_no_failure_report(fast_uri: str, tmp_path, caplog) -> None:
+    """A rank writing through a HandedBarrier (the DCP plugin's) whose save is refused because the checkpoint is
+    committed raises that, and logs nothing about reporting to a barrier that carries no failures (the plugin
+    reports them)."""
+    uri = below(fast_uri, "step-1")
+    (tmp_path / "f").write_bytes(b"first")
+    async with fastckpt.CheckpointWriter(uri, config=small_config(), attempt="first") as w:
+        await w.put_file(tmp_path / "f", "f")
+    with pytest.raises(CheckpointError, match="already committed"):
+        async with fastckpt.CheckpointWriter(uri, rank=1, world_size=2, attempt="again", config=small_config(),
+                                             barrier=HandedBarrier({})):
+            pass
+    assert not [r for r in caplog.records if "could not report" in r.getMessage()], caplog.text
 
 
 @pytest.mark.parametrize("bad", ["../x", "a/../b", ".fastckpt/COMMITTED", "", "/"])

@@ -12,8 +12,8 @@ import pytest
 
 import fastckpt
 from fastckpt import CheckpointError, open_store, parse_uri
+from fastckpt.checkpoint.documents import read_object
 from fastckpt.checkpoint.manifest import meta_prefix, rank_key
-from fastckpt.checkpoint.storage import read_object
 from harness.uris import below
 
 from .conftest import small_config

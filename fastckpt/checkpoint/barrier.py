@@ -28,8 +28,8 @@ from ..errors import CheckpointError, ObjectNotFoundError
 from ..stores.base import Store
 from ..tasks import gather_all
 from ..uri import join_key
+from .documents import read_object
 from .manifest import parse_rank_name, rank_key
-from .storage import read_object
 
 BROADCAST_NAME = "broadcast.json"
 
@@ -85,6 +85,9 @@ class Barrier(abc.ABC):
     fresh: bool = True
     """Whether a broadcast can never be one left over by an earlier, dead run (then ranks may agree
     on an attempt id through it)."""
+    reports_failures: bool = True
+    """Whether a rank's failure is handed to the others through ``gather`` (else the caller's own channel does).
+    """
 
     def __init__(self, timeout: float = 1800.0) -> None:
         if timeout <= 0:
@@ -230,15 +233,18 @@ class HandedBarrier(Barrier):
     """
 
     stores_payloads = True
+    reports_failures = False
 
     def __init__(self, payloads: dict[int, bytes]) -> None:
         super().__init__()
         self.payloads = payloads
 
     async def gather(self, rv: Rendezvous, tag: str, payload: bytes) -> list[bytes] | None:
+        if rv.rank != 0:
+            raise BarrierError(f"rank {rv.rank} hands its manifest over; only rank 0 gathers through a HandedBarrier")
         missing = [r for r in range(1, rv.world_size) if r not in self.payloads]
-        if rv.rank != 0 or missing:
-            raise BarrierTimeoutError(f"no manifest was handed over for {describe_missing(missing, rv.world_size)}",
+        if missing:
+            raise BarrierTimeoutError(f"{describe_missing(missing, rv.world_size)}: no manifest was handed over",
                                       missing)
         got = [payload, *(self.payloads[r] for r in range(1, rv.world_size))]
         await gather_all(rv.write(rank_key(rv.prefix, tag, r), p) for r, p in enumerate(got))

@@ -17,73 +17,31 @@ after its rank wrote it fails the commit, so the marker only ever names the byte
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import logging
 import os
-import re
-import secrets
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from types import TracebackType
-from typing import cast
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-from .._loop import BackgroundLoop
 from ..config import TransferConfig
-from ..engine.memory import Layout, hash_layout, upload_layout
+from ..engine.layout import Layout, hash_layout, upload_layout
 from ..engine.paths import local_files
 from ..engine.plan import plan_upload
 from ..engine.progress import ProgressCallback
-from ..engine.transfer import FileResult, Transfer
-from ..errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
+from ..engine.session import FileResult
+from ..engine.transfer import Transfer
+from ..errors import AlreadyExistsError, CheckpointError
 from ..integrity import FileDigest, combine
 from ..stores import open_store
 from ..stores.base import Store
 from ..stores.retry import retrying
-from ..tasks import gather_bounded
+from ..threads import off_loop
 from ..uri import StorageURI, parse_uri
-from .barrier import Barrier, BarrierError, BarrierTimeoutError, Rendezvous, default_barrier
-from .manifest import (
-    CommitMarker,
-    FileEntry,
-    RankManifest,
-    build_marker,
-    check_attempt,
-    check_name,
-    marker_key,
-    meta_prefix,
-    rank_key,
-)
-from .storage import read_object
-
-CHECK_CONCURRENCY = 64
-"""HEAD requests in flight while rank 0 checks the files before committing."""
+from .attempt import ATTEMPT_TAG, attempt_from_env, new_attempt_id
+from .barrier import Barrier, default_barrier
+from .commit import Commit, CommitResult
+from .manifest import FileEntry, check_attempt, check_name, meta_prefix, rank_key
 
 log = logging.getLogger("fastckpt")
-ATTEMPT_TAG = "attempt"
-
-
-def attempt_from_env(env: Mapping[str, str] | None = None) -> str | None:
-    """An attempt id shared by all ranks of one job run, from the environment, else None.
-
-    ``FASTCKPT_ATTEMPT`` as is; else torchelastic's run id plus its restart count; else SLURM's job
-    id plus its restart count. (torchrun's default run id ``none`` is not unique and is ignored.)
-    """
-    env = os.environ if env is None else env
-    if env.get("FASTCKPT_ATTEMPT"):
-        return check_attempt(env["FASTCKPT_ATTEMPT"])
-    run = env.get("TORCHELASTIC_RUN_ID", "")
-    if run and run != "none":
-        return _safe(f"{run}-r{env.get('TORCHELASTIC_RESTART_COUNT', '0')}")
-    if env.get("SLURM_JOB_ID"):
-        return _safe(f"slurm-{env['SLURM_JOB_ID']}-r{env.get('SLURM_RESTART_COUNT', '0')}")
-    return None
-
-
-def _safe(text: str) -> str:
-    return check_attempt(re.sub(r"[^A-Za-z0-9._-]", "-", text).lstrip("._-")[:128] or "attempt")
 
 
 def _dir_files(src: str) -> list[tuple[str, str]]:
@@ -92,24 +50,7 @@ def _dir_files(src: str) -> list[tuple[str, str]]:
     return local_files(src)
 
 
-def new_attempt_id() -> str:
-    """A fresh, unique attempt id (time + random)."""
-    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(6)}"
-
-
-@dataclass(frozen=True)
-class CommitResult:
-    """What a successful commit produced."""
-
-    uri: str
-    attempt: str
-    world_size: int
-    files: int
-    bytes: int
-    committed_at: float
-
-
-class CheckpointWriter:
+class CheckpointWriter(Commit):
     """Writes one rank's share of a checkpoint; use ``async with`` on every rank of the job.
 
     ``uri`` is the checkpoint itself (``s3://bucket/run/step-100``). ``barrier`` defaults to a
@@ -149,20 +90,6 @@ class CheckpointWriter:
         self.result: CommitResult | None = None
         """Set on every rank once the checkpoint is committed."""
 
-    @property
-    def attempt(self) -> str:
-        """The attempt id (known once the block is entered)."""
-        if self._attempt is None:
-            raise CheckpointError("the attempt id is agreed on entering the writer's block")
-        return self._attempt
-
-    @property
-    def _rv(self) -> Rendezvous:
-        if self._store is None:
-            raise CheckpointError("CheckpointWriter is used outside its 'async with' block")
-        return Rendezvous(self._store, meta_prefix(self.uri.key), self.rank, self.world_size, self.config,
-                          self._write_own)
-
     async def __aenter__(self) -> CheckpointWriter:
         if self._transfer is not None or self._closed:
             raise CheckpointError("a CheckpointWriter writes one checkpoint once; create a new one")
@@ -178,16 +105,6 @@ class CheckpointWriter:
             await self._close()
             raise
         return self
-
-    async def _refuse_committed(self, what: str = "") -> None:
-        """CheckpointError when the checkpoint is committed (by whichever writer); ``what`` was not written."""
-        key = marker_key(self.uri.key)
-        try:
-            await self._rv.store.head(key)
-        except ObjectNotFoundError:
-            return
-        raise CheckpointError(f"checkpoint {self.uri.raw} is already committed; refusing to write it again"
-                              + (f" ({what} not written)" if what else ""))
 
     async def _clear_leftovers(self, keys: list[str], holds: Callable[[str], Awaitable[FileResult | None]]
                                ) -> dict[str, FileResult]:
@@ -241,7 +158,7 @@ class CheckpointWriter:
     async def put_dir(self, path: str | os.PathLike[str], prefix: str = "") -> list[FileResult]:
         """Upload every file below local directory ``path``, named ``prefix/relative path``."""
         src, base = os.fspath(path), prefix.strip("/")
-        files = await asyncio.to_thread(_dir_files, src)
+        files = await off_loop(_dir_files, src)
         return await self._put([(p, f"{base}/{rel}" if base else rel) for p, rel in files])
 
     async def _put(self, pairs: list[tuple[str, str]]) -> list[FileResult]:
@@ -301,16 +218,6 @@ class CheckpointWriter:
             if self._entries.get(n) is None:
                 self._entries.pop(n, None)
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        try:
-            if exc is None:
-                await self._commit()
-            elif isinstance(exc, Exception):
-                await self._report_failure(exc)
-        finally:
-            await self._close()
-
     def record_written(self, entries: tuple[FileEntry, ...]) -> None:
         """Count files this rank wrote through an earlier writer of the same attempt that handed off (the
         commit still checks that each holds what ``entries`` record)."""
@@ -337,178 +244,3 @@ class CheckpointWriter:
             self._transfer.close()
         if self._own_store and self._store is not None:
             await self._store.close()
-
-    def _manifest(self, error: str | None = None) -> bytes:
-        files = tuple(e for _, e in sorted(self._entries.items()) if e is not None) if error is None else ()
-        return RankManifest(self.attempt, self.rank, self.world_size, files, error).encode()
-
-    async def _commit(self) -> None:
-        rv, attempt = self._rv, self.attempt
-        if any(e is None for e in self._entries.values()):
-            raise CheckpointError(f"rank {self.rank} left the block with uploads still running")
-        data = self._manifest()
-        if not self.barrier.stores_payloads:
-            await self._write_own(rank_key(rv.prefix, attempt, self.rank), data)
-        if self.rank == 0:
-            outcome, error = await self._root_decide(await self._root_gather(data))
-            await self.barrier.broadcast(rv, attempt, json.dumps(outcome).encode())
-            if error is not None:
-                raise error
-        else:
-            await self.barrier.gather(rv, attempt, data)
-            try:
-                outcome = json.loads(await self.barrier.broadcast(rv, attempt, None))
-            except BarrierError:
-                found = await self._outcome_from_marker()
-                if found is None:
-                    raise
-                outcome = found
-        if not outcome["ok"]:
-            if outcome.get("missing"):
-                raise BarrierTimeoutError(outcome["error"], outcome["missing"])
-            raise CheckpointError(f"checkpoint {self.uri.raw} was not committed: {outcome['error']}")
-        self.result = CommitResult(self.uri.raw, attempt, self.world_size, outcome["files"], outcome["bytes"],
-                                   outcome["committed_at"])
-
-    async def _write_own(self, key: str, data: bytes) -> None:
-        """Create this rank's manifest (or barrier payload) ``key``; one left by a dead process of the same
-        attempt is replaced, unless the checkpoint is committed."""
-        store = self._rv.store
-        try:
-            await store.put(key, data, if_absent=True)
-        except AlreadyExistsError:
-            if await read_object(store, key) == data:
-                return
-            await self._refuse_committed(f"manifest {key}")
-            await store.put(key, data)
-
-    async def _check_files(self, payloads: list[bytes]) -> None:
-        """Root: every file named by the manifests still holds what its rank recorded (CheckpointError if not)."""
-        store = self._rv.store
-        manifests = [RankManifest.decode(p, f"manifest of rank {r}") for r, p in enumerate(payloads)]
-        entries = [(m.rank, e) for m in manifests for e in m.files]
-
-        async def check(rank: int, entry: FileEntry) -> str | None:
-            try:
-                meta = await store.head(self.uri.join(entry.name))
-            except ObjectNotFoundError:
-                return f"{entry.name!r} (written by rank {rank}) is gone"
-            found = FileDigest.from_metadata(meta.size, meta.metadata)
-            if meta.size != entry.digest.size or found not in (None, entry.digest):
-                return f"{entry.name!r} no longer holds what rank {rank} wrote (replaced by another writer)"
-            return None
-
-        problems = [p for p in await gather_bounded((check(r, e) for r, e in entries), CHECK_CONCURRENCY) if p]
-        if problems:
-            raise CheckpointError(f"checkpoint {self.uri.raw} not committed: " + "; ".join(problems[:5]))
-
-    async def _root_gather(self, data: bytes) -> list[bytes]:
-        """Root: gather the payloads; when that fails, tell the other ranks (if the barrier can) and raise."""
-        try:
-            return cast(list[bytes], await self.barrier.gather(self._rv, self.attempt, data))
-        except Exception as exc:
-            outcome = {"ok": False, "error": str(exc), "missing": getattr(exc, "missing", None)}
-            try:
-                await self.barrier.announce_failure(self._rv, self.attempt, json.dumps(outcome).encode())
-            except Exception as err:  # the original error is what the caller must see
-                log.warning("could not tell the other ranks of %s about the failure: %s", self.uri.raw, err)
-            raise
-
-    async def _root_decide(self, payloads: list[bytes]) -> tuple[dict, Exception | None]:
-        """Root: check the manifests and create the marker. Returns the outcome every rank receives,
-        and the error to raise here after announcing it."""
-        try:
-            marker = build_marker(payloads, self.attempt, self.world_size, f"checkpoint {self.uri.raw}")
-            await self._check_files(payloads)
-            await self._create_marker(marker)
-        except CheckpointError as exc:
-            return {"ok": False, "error": str(exc)}, None
-        except Exception as exc:  # re-raised by the caller once the others know
-            return {"ok": False, "error": f"rank 0 could not create the commit marker: {exc}"}, exc
-        return {"ok": True, "files": marker.files, "bytes": marker.bytes, "committed_at": marker.committed_at}, None
-
-    async def _create_marker(self, marker: CommitMarker) -> None:
-        key, data = marker_key(self.uri.key), marker.encode()
-        store = self._rv.store
-        try:
-            await store.put(key, data, if_absent=True)
-        except AlreadyExistsError:
-            if await read_object(store, key) != data:  # not our own write, retried after a lost reply
-                raise CheckpointError(f"checkpoint {self.uri.raw} was committed by another writer meanwhile") from None
-
-    async def _outcome_from_marker(self) -> dict[str, object] | None:
-        """Non-root whose wait for the root timed out: the outcome, if the root did commit our attempt."""
-        key = marker_key(self.uri.key)
-        try:
-            marker = CommitMarker.decode(await read_object(self._rv.store, key), key)
-        except (ObjectNotFoundError, CheckpointError):
-            return None
-        if marker.attempt != self.attempt:
-            return None
-        return {"ok": True, "files": marker.files, "bytes": marker.bytes, "committed_at": marker.committed_at}
-
-    async def _report_failure(self, exc: Exception) -> None:
-        """Hand a failure record to the barrier so that nothing commits and the others learn why."""
-        if self._attempt is None:
-            return
-        try:
-            data = self._manifest(f"{type(exc).__name__}: {exc}")
-            payloads = await self.barrier.gather(self._rv, self.attempt, data)
-            if payloads is not None:  # the root: tell the others why nothing commits
-                try:
-                    build_marker(payloads, self.attempt, self.world_size, f"checkpoint {self.uri.raw}")
-                    why = "rank 0 failed"
-                except CheckpointError as err:
-                    why = str(err)
-                await self.barrier.broadcast(self._rv, self.attempt, json.dumps({"ok": False, "error": why}).encode())
-        except Exception as err:  # the caller's exception is what propagates
-            log.warning("rank %d could not report its failure to the barrier of %s: %s", self.rank, self.uri.raw, err)
-
-
-class SyncCheckpointWriter:
-    """Sync twin of ``CheckpointWriter`` (``with`` block, blocking ``put_file`` / ``put_dir``).
-
-    Runs on fastckpt's background event loop, so it also works on threads that run a loop.
-    """
-
-    def __init__(
-        self,
-        uri: str | StorageURI,
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-        barrier: Barrier | None = None,
-        attempt: str | None = None,
-        config: TransferConfig | None = None,
-        store: Store | None = None,
-        progress: ProgressCallback | None = None,
-    ) -> None:
-        self._writer = CheckpointWriter(uri, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
-                                        config=config, store=store, progress=progress)
-        self._loop = BackgroundLoop.get()
-
-    @property
-    def attempt(self) -> str:
-        """The attempt id (known once the block is entered)."""
-        return self._writer.attempt
-
-    @property
-    def result(self) -> CommitResult | None:
-        """Set once the checkpoint is committed."""
-        return self._writer.result
-
-    def __enter__(self) -> SyncCheckpointWriter:
-        self._loop.run(self._writer.__aenter__())
-        return self
-
-    def put_file(self, path: str | os.PathLike[str], name: str | None = None) -> FileResult:
-        """Upload local file ``path`` as ``name`` inside the checkpoint."""
-        return self._loop.run(self._writer.put_file(path, name))
-
-    def put_dir(self, path: str | os.PathLike[str], prefix: str = "") -> list[FileResult]:
-        """Upload every file below local directory ``path``."""
-        return self._loop.run(self._writer.put_dir(path, prefix))
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._loop.run(self._writer.__aexit__(exc_type, exc, tb))

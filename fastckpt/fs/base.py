@@ -26,8 +26,9 @@ import pyarrow.fs as pafs
 
 from .._loop import BackgroundLoop
 from ..config import TransferConfig
+from ..engine.session import FileResult
 from ..engine.stream import StreamReader, StreamWriter
-from ..engine.transfer import FileResult, Transfer
+from ..engine.transfer import Transfer
 from ..errors import ObjectNotFoundError
 from ..stores import open_store
 from ..stores.base import Store

@@ -3,7 +3,6 @@ LocalFileSystem's; file data goes through the engine (parallel ``pwrite``, diges
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import Any
 
@@ -11,6 +10,7 @@ import pyarrow.fs as pafs
 
 from ..config import TransferConfig
 from ..stores.base import Store
+from ..threads import off_loop
 from .base import Dir, FastckptHandler, NotFound, StoreWrapper, _metadata
 from .copy import install_copy_files_guard
 from .files import OutputStream, WriterHandle
@@ -39,7 +39,7 @@ class LocalHandler(FastckptHandler):
         return await self.store(""), self.split(path)[1]
 
     async def _is_dir_at(self, store: Store, key: str) -> bool:
-        return await asyncio.to_thread(os.path.isdir, "/" + key)
+        return await off_loop(os.path.isdir, "/" + key)
 
     def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
         return self._localfs.get_file_info(paths)

@@ -13,9 +13,11 @@ retries live in one wrapper (``stores.retry.RetryingStore``), applied by ``open_
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Mapping
+import re
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from ..errors import ObjectNotFoundError
 from ..transport import Buffer, BufferReceiver, FileRange, Receiver
@@ -316,6 +318,32 @@ class ReceivingStore(Store):
             await self.head(key)
             return b""
         return await read_range(self, key, start, length)
+
+
+class NamedUploadStore(ReceivingStore):
+    """A store whose multipart uploads take no request to start (GCS's composite uploads, Azure's staged blocks): an
+    upload names itself (``upload_type(store, key, metadata, if_absent, upload_id=None)``, a random id matching
+    ``upload_ids``), and a resumed upload finds the parts stored under that id (``find_parts``)."""
+
+    upload_type: Callable[..., MultipartUpload]
+    upload_ids: re.Pattern[str]
+
+    async def create_multipart(
+        self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
+    ) -> MultipartUpload:
+        return self.upload_type(self, key, dict(metadata or {}), if_absent)
+
+    async def resume_multipart(self, key: str, upload_id: str, part_size: int, *,
+                               if_absent: bool = False) -> MultipartUpload | None:
+        if not self.upload_ids.fullmatch(upload_id):
+            return None
+        upload = self.upload_type(self, key, {}, if_absent, upload_id)
+        await self.find_parts(upload)
+        return upload
+
+    @abc.abstractmethod
+    async def find_parts(self, upload: Any) -> None:
+        """Fill ``upload.stored`` with the parts stored under its id."""
 
 
 async def read_range(store: Store, key: str, start: int, length: int) -> bytes:

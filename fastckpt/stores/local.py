@@ -7,7 +7,6 @@ fsynced. Digests and other metadata are kept in ``user.`` extended attributes wh
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import secrets
@@ -17,6 +16,7 @@ from ..config import TransferConfig
 from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError
 from ..fileio import read_exact, write_at
 from ..integrity import hash_chunks
+from ..threads import off_loop
 from ..transport import Buffer
 from ..uri import StorageURI, check_options
 from .base import MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix, read_range
@@ -108,13 +108,13 @@ class LocalUpload(MultipartUpload):
             data = os.pread(fd, size, index * self._part_size)
             return len(data) == size and hash_chunks(data, size)[0].hex() == digest
 
-        return PartInfo(index, size) if await asyncio.to_thread(check) else None
+        return PartInfo(index, size) if await off_loop(check) else None
 
     async def put_part(self, index: int, data: Buffer) -> PartInfo:
         fd = self._fd
         if fd is None:
             raise StoreError(f"multipart upload of {self._path} is no longer active")
-        await asyncio.to_thread(write_at, fd, index * self._part_size, memoryview(data))
+        await off_loop(write_at, fd, index * self._part_size, memoryview(data))
         return PartInfo(index, len(data))
 
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
@@ -139,7 +139,7 @@ class LocalUpload(MultipartUpload):
                 _fsync_dir(os.path.dirname(self._path))
 
         try:
-            await asyncio.to_thread(finish)
+            await off_loop(finish)
         except FileExistsError as exc:
             await self.abort()
             raise AlreadyExistsError(f"{self._path} already exists") from exc
@@ -213,7 +213,7 @@ class LocalStore(Store):
                 os.close(fd)
 
         try:
-            return await asyncio.to_thread(read)
+            return await off_loop(read)
         except OSError as exc:
             raise _translate(exc, path) from exc
 
@@ -245,7 +245,7 @@ class LocalStore(Store):
                 _fsync_dir(os.path.dirname(path))
 
         try:
-            await asyncio.to_thread(write)
+            await off_loop(write)
         except FileExistsError as exc:
             raise AlreadyExistsError(f"{path} already exists") from exc
         except OSError as exc:
@@ -253,7 +253,7 @@ class LocalStore(Store):
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectMeta]:
         top = self.path(prefix)
-        entries = await asyncio.to_thread(self._walk, top)
+        entries = await off_loop(self._walk, top)
         for path, st in entries:
             yield ObjectMeta(self.key(path), st.st_size, st.st_mtime)
 
@@ -290,7 +290,7 @@ class LocalStore(Store):
                     objects.append(ObjectMeta(self.key(entry.path), st.st_size, st.st_mtime))
             return objects, dirs
 
-        return await asyncio.to_thread(scan)
+        return await off_loop(scan)
 
     async def delete(self, key: str) -> None:
         path = self.path(key)
@@ -306,7 +306,7 @@ class LocalStore(Store):
     ) -> MultipartUpload:
         path = self.path(key)
         try:
-            await asyncio.to_thread(os.makedirs, os.path.dirname(path), exist_ok=True)
+            await off_loop(lambda: os.makedirs(os.path.dirname(path), exist_ok=True))
             return LocalUpload(self, key, part_size, dict(metadata or {}), if_absent)
         except OSError as exc:
             raise _translate(exc, path) from exc
@@ -340,7 +340,7 @@ class LocalStore(Store):
                             continue
             return found
 
-        return await asyncio.to_thread(scan)
+        return await off_loop(scan)
 
     async def abort_pending_upload(self, upload: PendingUpload) -> None:
         try:

@@ -36,11 +36,6 @@ _BUCKETS: dict[str, _Bucket] = {}
 _ids = itertools.count(1)
 
 
-def clear_memory_buckets() -> None:
-    """Drop every in-memory bucket (tests)."""
-    _BUCKETS.clear()
-
-
 class MemoryUpload(MultipartUpload):
     """Parts held in a dict until completion."""
 

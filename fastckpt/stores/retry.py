@@ -114,7 +114,7 @@ class RetryingStore(Store):
     def uri(self, key: str = "") -> str:
         return self.inner.uri(key)
 
-    async def _retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
+    async def retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
         return await with_retries(op, self.config, f"{what} ({self.name})")
 
     @property
@@ -128,23 +128,23 @@ class RetryingStore(Store):
         await self.inner.close()
 
     async def head(self, key: str) -> ObjectMeta:
-        return await self._retry(f"head of {key}", lambda: self.inner.head(key))
+        return await self.retry(f"head of {key}", lambda: self.inner.head(key))
 
-    async def _retry_data(self, what: str, size: int, op: Callable[[], Awaitable[T]]) -> T:
+    async def retry_data(self, what: str, size: int, op: Callable[[], Awaitable[T]]) -> T:
         """A request moving ``size`` bytes: each attempt under its deadline (``within_deadline``)."""
-        return await self._retry(what, lambda: within_deadline(op, self.config, size, what))
+        return await self.retry(what, lambda: within_deadline(op, self.config, size, what))
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
-        return await self._retry_data(f"read of {key}", length, lambda: self.inner.get_range(key, start, length))
+        return await self.retry_data(f"read of {key}", length, lambda: self.inner.get_range(key, start, length))
 
     async def read_into(self, key: str, start: int, buf: memoryview) -> int:
-        return await self._retry_data(f"read of {key}", buf.nbytes, lambda: self.inner.read_into(key, start, buf))
+        return await self.retry_data(f"read of {key}", buf.nbytes, lambda: self.inner.read_into(key, start, buf))
 
     def local_file(self, key: str) -> str | None:
         return self.inner.local_file(key)
 
     async def read_with_meta(self, key: str, buf: memoryview) -> tuple[ObjectMeta, int]:
-        return await self._retry_data(f"read of {key}", buf.nbytes, lambda: self.inner.read_with_meta(key, buf))
+        return await self.retry_data(f"read of {key}", buf.nbytes, lambda: self.inner.read_with_meta(key, buf))
 
     async def receive(self, key: str, start: int, length: int, into: Receiver) -> int:
         """Each retry asks for what has not landed in ``into`` yet."""
@@ -154,16 +154,16 @@ class RetryingStore(Store):
             got = into.count - first
             return got + await self.inner.receive(key, start + got, length - got, into)
 
-        return await self._retry_data(f"read of {key}", length, rest)
+        return await self.retry_data(f"read of {key}", length, rest)
 
     async def put(
         self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None
     ) -> None:
-        await self._retry_data(f"write of {key}", memoryview(data).nbytes,
+        await self.retry_data(f"write of {key}", memoryview(data).nbytes,
                                lambda: self.inner.put(key, data, if_absent=if_absent, metadata=metadata))
 
     async def list_page(self, prefix: str, delimiter: str | None = None, token: str | None = None) -> ListPage:
-        return await self._retry(f"listing of {prefix}", lambda: self.inner.list_page(prefix, delimiter, token))
+        return await self.retry(f"listing of {prefix}", lambda: self.inner.list_page(prefix, delimiter, token))
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectMeta]:
         if self.paged:
@@ -178,7 +178,7 @@ class RetryingStore(Store):
             return await items.__anext__()
 
         try:
-            meta = await self._retry(f"listing of {prefix}", first)
+            meta = await self.retry(f"listing of {prefix}", first)
         except StopAsyncIteration:
             return
         yield meta
@@ -189,35 +189,35 @@ class RetryingStore(Store):
     async def list_dir(self, prefix: str = "") -> tuple[list[ObjectMeta], list[str]]:
         if self.paged:
             return await super().list_dir(prefix)
-        return await self._retry(f"listing of {prefix}", lambda: self.inner.list_dir(prefix))
+        return await self.retry(f"listing of {prefix}", lambda: self.inner.list_dir(prefix))
 
     async def delete(self, key: str) -> None:
-        await self._retry(f"delete of {key}", lambda: self.inner.delete(key))
+        await self.retry(f"delete of {key}", lambda: self.inner.delete(key))
 
     async def delete_many(self, keys: list[str]) -> None:
-        await self._retry(f"delete of {len(keys)} objects", lambda: self.inner.delete_many(keys))
+        await self.retry(f"delete of {len(keys)} objects", lambda: self.inner.delete_many(keys))
 
     async def create_multipart(
         self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
     ) -> MultipartUpload:
-        upload = await self._retry(f"start of upload of {key}", lambda: self.inner.create_multipart(
+        upload = await self.retry(f"start of upload of {key}", lambda: self.inner.create_multipart(
             key, part_size, metadata, if_absent=if_absent))
         return _RetryingUpload(self, upload)
 
     async def resume_multipart(self, key: str, upload_id: str, part_size: int, *,
                                if_absent: bool = False) -> MultipartUpload | None:
-        upload = await self._retry(f"resume of upload of {key}", lambda: self.inner.resume_multipart(
+        upload = await self.retry(f"resume of upload of {key}", lambda: self.inner.resume_multipart(
             key, upload_id, part_size, if_absent=if_absent))
         return None if upload is None else _RetryingUpload(self, upload)
 
     async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
-        return await self._retry(f"listing of uploads below {prefix}", lambda: self.inner.list_pending_uploads(prefix))
+        return await self.retry(f"listing of uploads below {prefix}", lambda: self.inner.list_pending_uploads(prefix))
 
     async def abort_pending_upload(self, upload: PendingUpload) -> None:
-        await self._retry(f"abort of upload of {upload.key}", lambda: self.inner.abort_pending_upload(upload))
+        await self.retry(f"abort of upload of {upload.key}", lambda: self.inner.abort_pending_upload(upload))
 
     async def list_orphans(self, prefix: str = "", older_than: float = 0.0) -> list[str]:
-        return await self._retry(f"listing of orphans below {prefix!r}",
+        return await self.retry(f"listing of orphans below {prefix!r}",
                                  lambda: self.inner.list_orphans(prefix, older_than))
 
 
@@ -227,14 +227,14 @@ class _RetryingUpload(MultipartUpload):
         self.key, self.upload_id = inner.key, inner.upload_id
 
     async def put_part(self, index: int, data: Buffer | FileRange) -> PartInfo:
-        return await self._store._retry_data(f"upload of {self.key} (part {index})", body_size(data),
+        return await self._store.retry_data(f"upload of {self.key} (part {index})", body_size(data),
                                              lambda: self._inner.put_part(index, data))
 
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
-        await self._store._retry(f"completion of {self.key}", lambda: self._inner.complete(parts, metadata))
+        await self._store.retry(f"completion of {self.key}", lambda: self._inner.complete(parts, metadata))
 
     async def abort(self) -> None:
-        await self._store._retry(f"abort of upload of {self.key}", self._inner.abort)
+        await self._store.retry(f"abort of upload of {self.key}", self._inner.abort)
 
     @property
     def sends_files(self) -> bool:
@@ -244,7 +244,7 @@ class _RetryingUpload(MultipartUpload):
         return self._inner.local_fd()
 
     async def stored_part(self, index: int, size: int, token: str, digest: str) -> PartInfo | None:
-        return await self._store._retry(f"check of stored part {index} of {self.key}",
+        return await self._store.retry(f"check of stored part {index} of {self.key}",
                                         lambda: self._inner.stored_part(index, size, token, digest))
 
 

@@ -38,12 +38,13 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .._loop import BackgroundLoop
+from ..checkpoint.attempt import attempt_from_env, new_attempt_id
 from ..checkpoint.barrier import HandedBarrier
 from ..checkpoint.manifest import RankManifest
 from ..checkpoint.reader import Checkpoint, open_checkpoint_async
-from ..checkpoint.writer import CheckpointWriter, attempt_from_env, new_attempt_id
+from ..checkpoint.writer import CheckpointWriter
 from ..config import TransferConfig
-from ..engine.memory import Layout, read_layout
+from ..engine.layout import Layout, read_layout
 from ..engine.open_stores import store_for
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError

@@ -10,7 +10,7 @@ import torch
 from .._loop import BackgroundLoop
 from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..config import TransferConfig
-from ..engine.memory import Layout, read_layout
+from ..engine.layout import Layout, read_layout
 from ..engine.open_stores import store_for
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError

@@ -10,9 +10,10 @@ from typing import Any, Literal
 
 from .._loop import BackgroundLoop
 from ..checkpoint.barrier import Barrier
-from ..checkpoint.writer import CheckpointWriter, CommitResult
+from ..checkpoint.commit import CommitResult
+from ..checkpoint.writer import CheckpointWriter
 from ..config import TransferConfig
-from ..engine.memory import Layout
+from ..engine.layout import Layout
 from ..engine.open_stores import store_for
 from ..stores.base import Store
 from ..uri import parse_uri

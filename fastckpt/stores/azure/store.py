@@ -9,7 +9,7 @@ from azure.storage.blob.aio import BlobPrefix
 from ...errors import BucketNotFoundError, ObjectNotFoundError
 from ...tasks import gather_bounded
 from ...transport import Buffer, Receiver
-from ..base import ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, ReceivingStore, in_prefix
+from ..base import ListPage, NamedUploadStore, ObjectMeta, PartInfo, PendingUpload, in_prefix
 from ..datapath import ranged
 from .client import AzureClient, decode_metadata, encode_metadata
 from .options import AzureOptions
@@ -18,7 +18,7 @@ from .upload import MAX_BLOCKS, AzureUpload
 MiB = 1 << 20
 
 
-class AzureStore(ReceivingStore):
+class AzureStore(NamedUploadStore):
     """Blobs of one container. Small files are one ``Put Blob`` (Content-MD5 checked by the service), large ones
     an ``AzureUpload``; create-if-absent sends ``If-None-Match: *``."""
 
@@ -27,6 +27,8 @@ class AzureStore(ReceivingStore):
     min_part_size = 1
     max_part_size = 4000 * MiB
     max_parts = MAX_BLOCKS
+    upload_type = AzureUpload
+    upload_ids = re.compile(r"[0-9a-f]{18}")
 
     def __init__(self, container: str, options: AzureOptions, *, max_connections: int = 16,
                  connection_timeout: float = 20, read_timeout: float = 60) -> None:
@@ -101,29 +103,19 @@ class AzureStore(ReceivingStore):
     async def delete_many(self, keys: list[str]) -> None:
         await gather_bounded([self.delete(k) for k in keys], self.client.max_connections)
 
-    async def create_multipart(
-        self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
-    ) -> MultipartUpload:
-        return AzureUpload(self, key, dict(metadata or {}), if_absent)
-
-    async def resume_multipart(self, key: str, upload_id: str, part_size: int, *,
-                               if_absent: bool = False) -> MultipartUpload | None:
+    async def find_parts(self, upload: AzureUpload) -> None:
         """The blob's uncommitted blocks of this upload (their ids start with the upload id)."""
-        if not re.fullmatch(r"[0-9a-f]{18}", upload_id):
-            return None
-        upload = AzureUpload(self, key, {}, if_absent, upload_id)
         try:
-            _, uncommitted = await self.client.blob(key).get_block_list("uncommitted")
+            _, uncommitted = await self.client.blob(upload.key).get_block_list("uncommitted")
         except Exception as exc:
-            error = self.client.errors.translate(exc, key)
+            error = self.client.errors.translate(exc, upload.key)
             if type(error) is ObjectNotFoundError:
-                return upload
+                return
             raise error from exc
         for block in uncommitted:
-            index = block.id[len(upload_id):]
-            if block.id.startswith(upload_id) and index.isdigit():
+            index = block.id[len(upload.upload_id):]
+            if block.id.startswith(upload.upload_id) and index.isdigit():
                 upload.stored[int(index)] = PartInfo(int(index), block.size, block.id)
-        return upload
 
     async def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         """Blobs that have staged (uncommitted) blocks and no committed version.

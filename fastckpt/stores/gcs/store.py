@@ -12,7 +12,7 @@ from urllib.parse import quote
 from ...errors import ObjectNotFoundError, StoreError
 from ...tasks import gather_bounded
 from ...transport import Buffer, Receiver
-from ..base import ListPage, MultipartUpload, ObjectMeta, PendingUpload, ReceivingStore, in_prefix
+from ..base import ListPage, NamedUploadStore, ObjectMeta, PendingUpload, in_prefix
 from ..conditional import IfAbsentGuard, probe
 from ..datapath import ranged
 from .client import GCSClient
@@ -39,7 +39,7 @@ def _meta(item: dict[str, Any]) -> ObjectMeta:
                       dict(item.get("metadata") or {}))
 
 
-class GCSStore(ReceivingStore):
+class GCSStore(NamedUploadStore):
     """Objects of one GCS bucket; keys are object names."""
 
     name = "gcs"
@@ -47,6 +47,8 @@ class GCSStore(ReceivingStore):
     min_part_size = 1
     max_part_size = 5 << 30
     max_parts = 10_000
+    upload_type = GCSUpload
+    upload_ids = re.compile(r"[0-9a-f]{16}")
 
     def __init__(self, bucket: str, options: GCSOptions | None = None, *, max_connections: int = 64) -> None:
         self.bucket = bucket
@@ -77,17 +79,8 @@ class GCSStore(ReceivingStore):
         with memoryview(data) as raw, raw.cast("B") as view:
             await self.client.upload_object(key, view, metadata, if_absent=if_absent)
 
-    async def create_multipart(
-        self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
-    ) -> MultipartUpload:
-        return GCSUpload(self, key, dict(metadata or {}), if_absent)
-
-    async def resume_multipart(self, key: str, upload_id: str, part_size: int, *,
-                               if_absent: bool = False) -> MultipartUpload | None:
+    async def find_parts(self, upload: GCSUpload) -> None:
         """The upload's temporary part objects, listed (a part stored twice keeps one copy)."""
-        if not re.fullmatch(r"[0-9a-f]{16}", upload_id):
-            return None
-        upload = GCSUpload(self, key, {}, if_absent, upload_id)
         extra = []
         async for page in self._pages(upload.prefix):
             for meta in page.objects:
@@ -95,7 +88,6 @@ class GCSStore(ReceivingStore):
                 if not index.isdigit() or not upload.adopt(int(index), meta.key, meta.size):
                     extra.append(meta.key)
         await self.delete_quietly(extra)
-        return upload
 
     async def delete(self, key: str) -> None:
         try:

@@ -1,4 +1,4 @@
-"""Small store helpers shared by the writer, the barriers and the readers."""
+"""The small documents of the commit protocol (manifests, markers, barrier payloads): read whole, bounded in size."""
 
 from __future__ import annotations
 

@@ -1,0 +1,106 @@
+"""``gc``: remove what no reader of a checkpoint will ever use (uncommitted attempts, stale uploads, orphans)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..config import TransferConfig
+from ..errors import CheckpointError
+from ..stores.base import ObjectMeta, PendingUpload, Store
+from ..uri import StorageURI, join_key
+from .catalog import candidates, checkpoint_name, list_objects, with_store
+from .manifest import marker_key, meta_prefix
+from .reader import load
+
+
+@dataclass
+class GcReport:
+    """What gc removed (or, with ``dry_run``, would remove)."""
+
+    dry_run: bool
+    removed: list[str] = field(default_factory=list)
+    """Keys of removed objects."""
+    aborted_uploads: list[str] = field(default_factory=list)
+    """Keys of aborted multipart uploads."""
+    bytes: int = 0
+    skipped: list[str] = field(default_factory=list)
+    """'name: reason' of checkpoints left alone (recent activity, corrupt)."""
+
+
+async def gc_async(uri: str | StorageURI, older_than_s: float = 24 * 3600.0, dry_run: bool = False, *,
+                   config: TransferConfig | None = None) -> GcReport:
+    """Remove what no reader will ever use, once it is older than ``older_than_s`` seconds.
+
+    - an uncommitted checkpoint whose newest object and upload are older: all of it, and its multipart
+      uploads are aborted;
+    - in a committed checkpoint: manifests of other attempts, data files its manifests do not name, and
+      stale multipart uploads;
+    - below a sub-prefix without ``.fastckpt/``: only stale multipart uploads;
+    - anywhere below the prefix: the backend's bookkeeping that no object uses any more (S3's digest records
+      of objects deleted or replaced by other tools).
+    Corrupt checkpoints are left alone. With ``dry_run`` nothing is removed. Like the rest of gc, meant for
+    what nobody is writing to any more.
+    """
+    async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> GcReport:
+        report = GcReport(dry_run)
+        now = time.time()
+        found = dict(await candidates(store, base.key))
+        pending: dict[str, list[PendingUpload]] = {}
+        for up in await store.list_pending_uploads(base.key):
+            # an upload of an object directly below the prefix (a killed ``cp``) counts on its own
+            root = base.key if base.key in found else _child_of(base.key, up.key) or up.key
+            pending.setdefault(root, []).append(up)
+        for key in sorted(set(found) | set(pending)):
+            await _gc_one(store, base, key, key in found, pending.get(key, []), now - older_than_s, report)
+        orphans = await store.list_orphans(base.key, now - older_than_s)
+        report.removed.extend(orphans)
+        if orphans and not dry_run:
+            await store.delete_many(orphans)
+        return report
+
+    return await with_store(uri, config, run)
+
+
+def _child_of(base: str, key: str) -> str | None:
+    rel = key[len(base) + 1:] if base else key
+    if (base and not key.startswith(base + "/")) or "/" not in rel:
+        return None
+    return join_key(base, rel.split("/", 1)[0])
+
+
+async def _gc_one(store: Store, base: StorageURI, key: str, is_checkpoint: bool, uploads: list[PendingUpload],
+                  cutoff: float, report: GcReport) -> None:
+    name = checkpoint_name(key)
+    old_uploads = [u for u in uploads if u.started <= cutoff]
+    doomed: list[ObjectMeta] = []
+    if is_checkpoint:
+        objects = await list_objects(store, key)
+        try:
+            ckpt = await load(store, base.with_key(key), allow_uncommitted=False)
+        except CheckpointError:
+            ckpt = None
+        if ckpt is None:
+            newest = max([m.mtime for m in objects] + [u.started for u in uploads], default=0.0)
+            if newest > cutoff:
+                report.skipped.append(f"{name}: uncommitted, written to recently")
+                return
+            doomed, old_uploads = objects, uploads
+        elif ckpt.problems:
+            report.skipped.append(f"{name}: corrupt ({ckpt.problems[0].reason})")
+            return
+        else:
+            keep = {ckpt.file_key(n) for n in ckpt.files} | {marker_key(key)}
+            live = join_key(meta_prefix(key), ckpt.info.attempt or "") + "/"
+            doomed = [m for m in objects if m.key not in keep and not m.key.startswith(live) and m.mtime <= cutoff]
+    # data first and metadata last, so that an interrupted gc still finds the checkpoint next time
+    doomed.sort(key=lambda m: (m.key.startswith(meta_prefix(key) + "/"), m.key))
+    report.removed.extend(m.key for m in doomed)
+    report.aborted_uploads.extend(u.key for u in old_uploads)
+    report.bytes += sum(m.size for m in doomed)
+    if report.dry_run:
+        return
+    for up in old_uploads:
+        await store.abort_pending_upload(up)
+    if doomed:
+        await store.delete_many([m.key for m in doomed])

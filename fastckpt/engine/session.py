@@ -1,0 +1,71 @@
+"""A transfer session on one store: the buffer pools, the limits on files and requests in flight, retries and
+progress, shared by the upload and download pipelines (``engine.upload``, ``engine.download``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+
+from ..config import TransferConfig
+from ..errors import ObjectNotFoundError, StoreError
+from ..integrity import FileDigest
+from ..stores.base import Store
+from ..stores.retry import retrying
+from ..threads import start_io_threads
+from .pool import BufferPool
+from .progress import Progress, ProgressCallback
+from .sink import RING
+
+
+@dataclass(frozen=True)
+class FileResult:
+    """One file moved: its key in the store, its local path and its digest."""
+
+    key: str
+    path: str
+    digest: FileDigest
+
+
+class TransferSession:
+    """What every transfer on ``store`` shares."""
+
+    def __init__(
+        self, store: Store, config: TransferConfig | None = None, progress: ProgressCallback | None = None
+    ) -> None:
+        start_io_threads()
+        self.config = config or TransferConfig.from_env()
+        self.store = retrying(store, self.config)
+        self.pool = BufferPool(self.config.part_size, self.config.max_in_flight)
+        self.rings = BufferPool(RING, self.config.max_in_flight)
+        """Ring buffers of the ranges being received (``engine.sink``)."""
+        self.progress = Progress(progress)
+        self._files = asyncio.Semaphore(self.config.max_open_files)
+        self._dirs: set[str] = set()
+        self._copy_slots = max(2, min(self.config.max_in_flight, os.cpu_count() or 2))
+        """Ranges copied between local files at once: each keeps a core busy (more only switch between threads)."""
+        self._local_copies = asyncio.Semaphore(self._copy_slots)
+        self._file_parts = asyncio.Semaphore(self.config.max_in_flight)
+        """Parts sent from their files at once (no buffer bounds them)."""
+        self._send_files = True
+        """Whether parts may be sent from their files (until a filesystem refuses a mapping or ``sendfile``)."""
+
+    def close(self) -> None:
+        """Release pooled buffers."""
+        self.pool.close()
+        self.rings.close()
+
+    async def keys_below(self, prefix: str) -> list[tuple[str, str, int]]:
+        """(key, path relative to ``prefix``, size) of every object below ``prefix``; error when none."""
+        prefix = prefix.strip("/")
+        found = []
+        async for meta in self.store.list(prefix):
+            rel = meta.key[len(prefix):].lstrip("/") if prefix else meta.key
+            if not rel:
+                continue
+            if any(part in ("", ".", "..") for part in rel.split("/")):
+                raise StoreError(f"refusing unsafe object name {meta.key!r}")
+            found.append((meta.key, rel, meta.size))
+        if not found:
+            raise ObjectNotFoundError(f"nothing found below {prefix!r} in {self.store.name}")
+        return found
