@@ -35,7 +35,7 @@ from fastckpt import (
     open_store,
     parse_uri,
 )
-from fastckpt.engine import transfer as transfer_module
+from fastckpt.engine import upload as upload_module
 from fastckpt.engine.plan import plan_upload
 from fastckpt.engine.transfer import Transfer
 from fastckpt.integrity import META_CHUNK, META_DIGEST, FileDigest
@@ -164,7 +164,7 @@ def bytes_read(monkeypatch) -> list[int]:
     """A one-item list counting the bytes uploads read (and hash) from their files, into a buffer or through a
     mapping."""
     read = [0]
-    read_and_hash, hash_file_range = transfer_module.read_and_hash, transfer_module.hash_file_range
+    read_and_hash, hash_file_range = upload_module.read_and_hash, upload_module.hash_file_range
 
     def counting(fd: int, offset: int, buf: memoryview) -> bytes:
         read[0] += buf.nbytes
@@ -174,8 +174,8 @@ def bytes_read(monkeypatch) -> list[int]:
         read[0] += length
         return hash_file_range(fd, offset, length, chunk)
 
-    monkeypatch.setattr(transfer_module, "read_and_hash", counting)
-    monkeypatch.setattr(transfer_module, "hash_file_range", counting_mapped)
+    monkeypatch.setattr(upload_module, "read_and_hash", counting)
+    monkeypatch.setattr(upload_module, "hash_file_range", counting_mapped)
     return read
 
 
@@ -224,7 +224,7 @@ async def test_files_the_kernel_cannot_send_go_from_buffers(s3, tmp_path, monkey
     def refuse(*args: object) -> None:
         raise OSError(errno.EINVAL if refused == "sendfile" else errno.ENODEV, f"no {refused} here")
 
-    monkeypatch.setattr(*((os, "sendfile") if refused == "sendfile" else (transfer_module, "hash_file_range")),
+    monkeypatch.setattr(*((os, "sendfile") if refused == "sendfile" else (upload_module, "hash_file_range")),
                         refuse)
     path, data = make_file(tmp_path, "plain", 3 * PART + 7)
     transfer = Transfer(store, small_config())
@@ -241,7 +241,7 @@ async def test_a_file_written_during_its_upload_fails_it(s3, moto_server, tmp_pa
     store, uri = s3
     path, _ = make_file(tmp_path, "moving", 3 * PART + 1)
     os.utime(path, (1_000_000_000, 1_000_000_000))
-    hash_file_range = transfer_module.hash_file_range
+    hash_file_range = upload_module.hash_file_range
 
     def writing(fd: int, offset: int, length: int, chunk: int) -> list[bytes] | None:
         digests = hash_file_range(fd, offset, length, chunk)
@@ -250,7 +250,7 @@ async def test_a_file_written_during_its_upload_fails_it(s3, moto_server, tmp_pa
                 out.write(b"changed")
         return digests
 
-    monkeypatch.setattr(transfer_module, "hash_file_range", writing)
+    monkeypatch.setattr(upload_module, "hash_file_range", writing)
     transfer = Transfer(store, small_config())
     with pytest.raises(IntegrityError, match="changed while it was being uploaded"):
         await transfer.upload_file(path, uri.join("moving"))

@@ -12,7 +12,7 @@ import pytest
 
 import fastckpt
 from fastckpt import CheckpointError, open_store, parse_uri
-from fastckpt.checkpoint import storage
+from fastckpt.checkpoint import documents
 from fastckpt.checkpoint.manifest import (
     CommitMarker,
     FileEntry,
@@ -76,7 +76,7 @@ async def test_malformed_and_oversized_manifests_fail_clearly(tmp_path: Path, mo
     with pytest.raises(CheckpointError, match=r"not valid JSON|corrupt"):
         await fastckpt.download_checkpoint_async(uri, tmp_path / "out", config=small_config())
     await forge(uri, ["a.bin", "b.bin"])
-    monkeypatch.setattr(storage, "MAX_DOCUMENT", 100)  # the real limit is 256 MiB
+    monkeypatch.setattr(documents, "MAX_DOCUMENT", 100)  # the real limit is 256 MiB
     with pytest.raises(CheckpointError, match="over the limit of 100 bytes for a fastckpt manifest"):
         await fastckpt.download_checkpoint_async(uri, tmp_path / "out", config=small_config())
 

@@ -57,7 +57,7 @@ def target_of(uri: str | StorageURI) -> StorageURI:
 
 
 async def with_store(uri: str | StorageURI, config: TransferConfig | None,
-                      fn: Callable[[Store, StorageURI, TransferConfig], Awaitable[T]]) -> T:
+                     fn: Callable[[Store, StorageURI, TransferConfig], Awaitable[T]]) -> T:
     base, cfg = target_of(uri), config or TransferConfig.from_env()
     async with open_store(base, cfg) as store:
         return await fn(store, base, cfg)

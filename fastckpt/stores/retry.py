@@ -160,7 +160,7 @@ class RetryingStore(Store):
         self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None
     ) -> None:
         await self.retry_data(f"write of {key}", memoryview(data).nbytes,
-                               lambda: self.inner.put(key, data, if_absent=if_absent, metadata=metadata))
+                              lambda: self.inner.put(key, data, if_absent=if_absent, metadata=metadata))
 
     async def list_page(self, prefix: str, delimiter: str | None = None, token: str | None = None) -> ListPage:
         return await self.retry(f"listing of {prefix}", lambda: self.inner.list_page(prefix, delimiter, token))
@@ -218,7 +218,7 @@ class RetryingStore(Store):
 
     async def list_orphans(self, prefix: str = "", older_than: float = 0.0) -> list[str]:
         return await self.retry(f"listing of orphans below {prefix!r}",
-                                 lambda: self.inner.list_orphans(prefix, older_than))
+                                lambda: self.inner.list_orphans(prefix, older_than))
 
 
 class _RetryingUpload(MultipartUpload):
@@ -228,7 +228,7 @@ class _RetryingUpload(MultipartUpload):
 
     async def put_part(self, index: int, data: Buffer | FileRange) -> PartInfo:
         return await self._store.retry_data(f"upload of {self.key} (part {index})", body_size(data),
-                                             lambda: self._inner.put_part(index, data))
+                                            lambda: self._inner.put_part(index, data))
 
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
         await self._store.retry(f"completion of {self.key}", lambda: self._inner.complete(parts, metadata))
@@ -245,7 +245,7 @@ class _RetryingUpload(MultipartUpload):
 
     async def stored_part(self, index: int, size: int, token: str, digest: str) -> PartInfo | None:
         return await self._store.retry(f"check of stored part {index} of {self.key}",
-                                        lambda: self._inner.stored_part(index, size, token, digest))
+                                       lambda: self._inner.stored_part(index, size, token, digest))
 
 
 def retrying(store: Store, config: TransferConfig) -> Store:
