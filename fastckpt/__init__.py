@@ -33,6 +33,7 @@ from .errors import (
     IntegrityError,
     ObjectNotFoundError,
     StoreError,
+    ThrottledError,
     TransientStoreError,
 )
 from .integrity import FileDigest
@@ -59,6 +60,7 @@ __all__ = [
     "StoreBarrier",
     "StoreError",
     "SyncCheckpointWriter",
+    "ThrottledError",
     "TransferConfig",
     "TransientStoreError",
     "VerifyReport",

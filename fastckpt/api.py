@@ -90,14 +90,14 @@ async def download_async(
 def upload(src: PathLike, dst: str | StorageURI, *, config: TransferConfig | None = None,
            progress: ProgressCallback | None = None) -> list[FileResult]:
     """Sync twin of ``upload_async``, run on fastckpt's background loop, which keeps the store open for the next
-    call (``fastckpt.kept``); an interrupt (Ctrl-C) cancels the transfer."""
+    call (``engine.open_stores``); an interrupt (Ctrl-C) cancels the transfer."""
     return BackgroundLoop.get().run(upload_async(src, dst, config=config, progress=progress))
 
 
 def download(src: str | StorageURI, dst: PathLike, *, config: TransferConfig | None = None,
              progress: ProgressCallback | None = None) -> list[FileResult]:
     """Sync twin of ``download_async``, run on fastckpt's background loop, which keeps the store open for the next
-    call (``fastckpt.kept``); an interrupt (Ctrl-C) cancels the transfer."""
+    call (``engine.open_stores``); an interrupt (Ctrl-C) cancels the transfer."""
     return BackgroundLoop.get().run(download_async(src, dst, config=config, progress=progress))
 
 

@@ -42,6 +42,11 @@ class TransientStoreError(StoreError):
     retryable = True
 
 
+class ThrottledError(TransientStoreError):
+    """The service asked for fewer requests (503 SlowDown, 429, Azure ServerBusy): retried, and the request
+    concurrency towards it lowered (``stores.throttle``)."""
+
+
 class ObjectNotFoundError(StoreError, FileNotFoundError):
     """The object (or bucket / container) does not exist."""
 

@@ -11,8 +11,10 @@ Each accepted connection asks ``rule(n)`` (n counts connections from 0) for a ``
 - ``refuse``: an RST as soon as the connection is accepted.
 
 ``outage(seconds)`` resets every open connection and refuses new ones for that long (a server restart
-or a load-balancer failover). The proxy runs its own event loop in a thread, so clients of any loop
-(and synchronous ones) can use it.
+or a load-balancer failover). ``throttle(k)`` turns the proxy into a service that throttles: each request goes
+upstream on a connection of its own, and one that arrives while ``k`` others are being served is answered
+503 SlowDown (or the status and code given) by the proxy. The proxy runs its own event loop in a thread, so
+clients of any loop (and synchronous ones) can use it.
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ class FaultProxy:
         self._budget: int | None = None
         self._down_until = 0.0
         self._live: set[asyncio.StreamWriter] = set()
+        self._throttle: tuple[Fault, int] | None = None
+        self._serving = 0
+        self.answers: list[bool] = []
+        """Under ``throttle``: one entry per request, in order, True when the proxy throttled it."""
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
@@ -112,6 +118,11 @@ class FaultProxy:
         self._budget -= 1
         return self._budget >= 0
 
+    def throttle(self, max_in_flight: int, status: int = 503, code: str = "SlowDown") -> None:
+        """From now on, answer ``status`` ``code`` to a request that arrives while ``max_in_flight`` others are being
+        served (each request is sent upstream with ``Connection: close``, so that its end is its connection's)."""
+        self._throttle = (Fault("status", status=status, code=code), max_in_flight)
+
     def outage(self, seconds: float) -> None:
         """Reset every open connection now and refuse new ones for ``seconds``."""
         self._down_until = time.monotonic() + seconds
@@ -135,6 +146,9 @@ class FaultProxy:
             self._loop.close()
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        if self._throttle is not None:
+            await self._throttled(client_r, client_w, *self._throttle)
+            return
         fault = self.rule(next(self._count))
         forced = time.monotonic() < self._down_until
         if forced:
@@ -208,10 +222,85 @@ class FaultProxy:
             for writer in pair:
                 writer.transport.abort()
 
-    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, fault: Fault) -> None:
-        """Read one request (its body unless it waits for ``100 Continue``) and answer ``fault.status``."""
+    async def _throttled(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter, fault: Fault,
+                         limit: int) -> None:
+        """One request: answered ``fault`` when ``limit`` are being served, else sent upstream and its answer back."""
         try:
-            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+            head = await client_r.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError):
+            client_w.transport.abort()
+            return
+        self.answers.append(self._serving >= limit)
+        if self.answers[-1]:
+            await self._answer(client_r, client_w, fault, head)
+            return
+        self._serving += 1
+        try:
+            upstream_r, upstream_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            self._serving -= 1
+            _reset(client_w)
+            return
+        lines = [line for line in head.split(b"\r\n")[:-2] if not line.lower().startswith(b"connection:")]
+        upstream_w.write(b"\r\n".join([*lines, b"Connection: close", b"", b""]))
+        pair = (client_w, upstream_w)
+        up = asyncio.ensure_future(self._pipe(client_r, upstream_w, None, pair, "up"))
+        served = False
+
+        def serve() -> None:  # the answer's last bytes are going out: served, as a server counts it
+            nonlocal served
+            if not served:
+                self._serving, served = self._serving - 1, True
+
+        try:
+            await self._relay_answer(upstream_r, client_w, head.split(b" ", 1)[0].upper() == b"HEAD", serve)
+            await self._pipe(upstream_r, client_w, None, pair, "down")
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError, ValueError):
+            pass
+        finally:
+            serve()
+        try:
+            await asyncio.wait_for(up, 10)  # until the client closes the connection the answer closed
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            for writer in pair:
+                writer.transport.abort()
+
+    @staticmethod
+    async def _relay_answer(upstream: asyncio.StreamReader, client: asyncio.StreamWriter, head_only: bool,
+                            served: Callable[[], None]) -> None:
+        """Pass one answer down (interim ``1xx`` heads too), calling ``served()`` just before its last bytes go out
+        (known by its Content-Length; an answer without one goes on until the server closes)."""
+        while True:
+            head = await upstream.readuntil(b"\r\n\r\n")
+            status = int(head.split(b" ", 2)[1])
+            if status >= 200:
+                break
+            client.write(head)
+        lengths = [line.split(b":", 1)[1] for line in head.lower().split(b"\r\n")
+                   if line.startswith(b"content-length:")]
+        left = 0 if head_only or status in (204, 304) else int(lengths[0]) if lengths else None
+        if left == 0:
+            served()
+        client.write(head)
+        while left is None or left > 0:
+            data = await upstream.read(CHUNK if left is None else min(CHUNK, left))
+            if not data:
+                break
+            left = None if left is None else left - len(data)
+            if left == 0:
+                served()
+            client.write(data)
+            await client.drain()
+        await client.drain()
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, fault: Fault,
+                      head_read: bytes = b"") -> None:
+        """Read one request (its body unless it waits for ``100 Continue``; its head unless ``head_read`` holds it)
+        and answer ``fault.status`` (with an error document, but to a HEAD)."""
+        try:
+            head = (head_read or await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
             length = next((int(line.split(":", 1)[1]) for line in head.split("\r\n")
                            if line.startswith("content-length:")), 0)
             if "expect: 100-continue" not in head and length:
@@ -220,7 +309,7 @@ class FaultProxy:
                     f"<Message>injected by the fault proxy</Message></Error>").encode()
             writer.write(f"HTTP/1.1 {fault.status} Injected\r\nContent-Type: application/xml\r\n"
                          f"x-ms-error-code: {fault.code}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-                         .encode() + body)
+                         .encode() + (b"" if head.startswith("head ") else body))  # a HEAD's answer has no body
             await writer.drain()
         except (ConnectionError, OSError, asyncio.IncompleteReadError):
             pass

@@ -15,10 +15,14 @@ from ..errors import (
     BucketNotFoundError,
     ObjectNotFoundError,
     StoreError,
+    ThrottledError,
     TransientStoreError,
 )
 
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+THROTTLE_STATUS = frozenset({429, 503})
+"""What services answer a client that should send fewer requests at once (S3's SlowDown and GCS's rate limits,
+Azure's ServerBusy)."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,8 @@ class ErrorTable:
     """A create-if-absent precondition failed: the object exists."""
     denied: frozenset[str] = frozenset()
     transient: frozenset[str] = frozenset()
+    throttling: frozenset[str] = frozenset()
+    """Codes that ask for fewer requests whatever their status (beside 429 and 503)."""
     hints: Mapping[str, str] = field(default_factory=dict)
     """Code -> what to tell the user (credentials problems, mostly)."""
     denied_hint: str = "credentials are missing, invalid or lack permission"
@@ -58,6 +64,8 @@ def classify(table: ErrorTable, status: int, code: str, *, place: str, bucket: s
     if status in (401, 403) or code in table.denied:
         hint = table.hints.get(code) or denied_hint or table.denied_hint
         return AccessDeniedError(f"access denied to {place}{at} ({label}): {hint}", **fields)
+    if status in THROTTLE_STATUS or code in table.throttling:
+        return ThrottledError(f"{place}: {label}{at}: the service asks for fewer requests", **fields)
     if status in TRANSIENT_STATUS or status >= 500 or code in table.transient:
         return TransientStoreError(f"{place}: {label}{at}", **fields)
     return StoreError(f"{place}: {label}{at}" + (f": {detail}" if detail else ""), **fields)

@@ -33,13 +33,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from ..config import TransferConfig
-from ..errors import TransientStoreError
+from ..errors import ThrottledError, TransientStoreError
 from ..transport import Buffer, FileRange, Receiver, body_size
 from .base import ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
 from .classify import EndpointUnreachableError
+from .throttle import endpoint_limit
 
 T = TypeVar("T")
 log = logging.getLogger("fastckpt")
+UNBOUNDED = 1 << 16
+"""An endpoint's request limit before it throttles: no bound (the engine's own limits hold)."""
 
 
 def backoff(config: TransferConfig, attempt: int) -> float:
@@ -115,7 +118,21 @@ class RetryingStore(Store):
         return self.inner.uri(key)
 
     async def retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
-        return await with_retries(op, self.config, f"{what} ({self.name})")
+        """``op()`` retried per the module's policy, each attempt holding a request slot of this endpoint's
+        adaptive limit (``stores.throttle``), which a throttled answer lowers."""
+        limit = endpoint_limit(self.location, UNBOUNDED)
+
+        async def attempt() -> T:
+            async with limit.slot() as granted:
+                try:
+                    result = await op()
+                except ThrottledError:
+                    limit.throttled(granted)
+                    raise
+                limit.succeeded()
+                return result
+
+        return await with_retries(attempt, self.config, f"{what} ({self.name})")
 
     @property
     def paged(self) -> bool:

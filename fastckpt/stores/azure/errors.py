@@ -25,7 +25,8 @@ ERRORS = ErrorTable(
     not_found=frozenset({"BlobNotFound"}),
     conflict=frozenset({"BlobAlreadyExists", "ConditionNotMet"}),
     denied=frozenset({"AuthenticationFailed", "AuthorizationFailure", "AuthorizationPermissionMismatch"}),
-    transient=frozenset({"ServerBusy", "OperationTimedOut", "InternalError", "Md5Mismatch", "Crc64Mismatch"}),
+    transient=frozenset({"OperationTimedOut", "InternalError", "Md5Mismatch", "Crc64Mismatch"}),
+    throttling=frozenset({"ServerBusy"}),
 )
 
 

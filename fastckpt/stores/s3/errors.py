@@ -20,9 +20,10 @@ ERRORS = ErrorTable(
     conflict=frozenset({"PreconditionFailed", "ConditionalRequestConflict"}),
     denied=frozenset({"AccessDenied", "AllAccessDisabled", "AccountProblem", "InvalidAccessKeyId",
                       "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"}),
-    transient=frozenset({"SlowDown", "RequestTimeout", "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable",
-                         "Throttling", "ThrottlingException", "RequestThrottled", "TooManyRequests",
-                         "OperationAborted", "RequestTimeoutException", "PriorRequestNotComplete", "BadDigest"}),
+    transient=frozenset({"RequestTimeout", "RequestTimeTooSkewed", "InternalError", "OperationAborted",
+                         "RequestTimeoutException", "BadDigest"}),
+    throttling=frozenset({"SlowDown", "ServiceUnavailable", "Throttling", "ThrottlingException", "RequestThrottled",
+                          "TooManyRequests", "PriorRequestNotComplete"}),
     hints={"InvalidAccessKeyId": "access key id not recognised; check AWS_ACCESS_KEY_ID or the profile",
            "SignatureDoesNotMatch": "secret key does not match the access key; "
                                     "check AWS_SECRET_ACCESS_KEY or the profile",
