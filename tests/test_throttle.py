@@ -44,14 +44,13 @@ def test_throttling_answers_are_classified_as_such() -> None:
 
 async def test_limit_falls_once_per_round_and_binds() -> None:
     limit = AdaptiveLimit(ceiling=1 << 16)
-    held = [limit.slot() for _ in range(10)]
-    rounds = [await h.__aenter__() for h in held]
+    rounds = [await limit.acquire() for _ in range(10)]
     assert limit.in_flight == 10  # unbounded until throttled
     for granted in rounds:  # ten answers of one round throttled: one fall, from what was in flight
         limit.throttled(granted)
     assert limit.limit == pytest.approx(10 * BACKOFF)
-    for h in held:
-        await h.__aexit__(None, None, None)
+    for _ in rounds:
+        limit.release()
     waiting = asyncio.ensure_future(_hold_many(limit, 9))
     await asyncio.sleep(0.05)
     assert limit.in_flight == int(10 * BACKOFF)  # the others wait for a slot
@@ -61,33 +60,40 @@ async def test_limit_falls_once_per_round_and_binds() -> None:
 
 async def _hold_many(limit: AdaptiveLimit, n: int) -> None:
     async def one() -> None:
-        async with limit.slot():
+        await limit.acquire()
+        try:
             await asyncio.sleep(10)
+        finally:
+            limit.release()
 
     await asyncio.gather(*(one() for _ in range(n)))
 
 
 async def test_limit_rises_while_in_use_and_slowly_near_the_throttled_level() -> None:
     limit = AdaptiveLimit(ceiling=1 << 16)
-    async with limit.slot() as granted:
-        limit.throttled(granted)
+    limit.throttled(await limit.acquire())
+    limit.release()
     assert limit.limit == 1  # floor
     rises = 0
     while limit.limit < 0.9 * limit.throttled_at:  # below the throttled level: a slot per round of good answers
-        async with limit.slot():
-            limit.succeeded()
+        await _answered(limit)
         rises += 1
     assert rises <= 2
     before = limit.limit
     for _ in range(5):
-        async with limit.slot():
-            limit.succeeded()
+        await _answered(limit)
     assert limit.limit - before <= 5 / 10 / before + 1e-9  # near it: ten times slower
     idle = AdaptiveLimit(ceiling=1 << 16)
     idle.limit = 8.0
-    async with idle.slot():
-        idle.succeeded()  # one request in flight of eight allowed: nothing learnt about more
+    await _answered(idle)  # one request in flight of eight allowed: nothing learnt about more
     assert idle.limit == 8.0
+
+
+async def _answered(limit: AdaptiveLimit) -> None:
+    """One request, answered well."""
+    await limit.acquire()
+    limit.succeeded()
+    limit.release()
 
 
 # ----------------------------------------------------------------------------- through a throttling server

@@ -37,7 +37,7 @@ from ..errors import ThrottledError, TransientStoreError
 from ..transport import Buffer, FileRange, Receiver, body_size
 from .base import ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
 from .classify import EndpointUnreachableError
-from .throttle import endpoint_limit
+from .throttle import AdaptiveLimit, endpoint_limit
 
 T = TypeVar("T")
 log = logging.getLogger("fastckpt")
@@ -100,6 +100,15 @@ class RetryingStore(Store):
         self.name, self.scheme, self.bucket, self.options = inner.name, inner.scheme, inner.bucket, inner.options
         self.min_part_size, self.max_part_size = inner.min_part_size, inner.max_part_size
         self.max_parts, self.metadata_on_complete = inner.max_parts, inner.metadata_on_complete
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_limit: AdaptiveLimit | None = None
+
+    def _limit(self) -> AdaptiveLimit:
+        """This endpoint's request limit in the running loop (looked up once per loop)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._loop_limit is None:
+            self._loop, self._loop_limit = loop, endpoint_limit(self.location, UNBOUNDED)
+        return self._loop_limit
 
     def __getattr__(self, name: str) -> Any:  # backend specifics (bucket, endpoint, client ...)
         inner = self.__dict__.get("inner")
@@ -120,17 +129,20 @@ class RetryingStore(Store):
     async def retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
         """``op()`` retried per the module's policy, each attempt holding a request slot of this endpoint's
         adaptive limit (``stores.throttle``), which a throttled answer lowers."""
-        limit = endpoint_limit(self.location, UNBOUNDED)
+        limit = self._limit()
 
         async def attempt() -> T:
-            async with limit.slot() as granted:
-                try:
-                    result = await op()
-                except ThrottledError:
-                    limit.throttled(granted)
-                    raise
+            granted = await limit.acquire()
+            try:
+                result = await op()
+            except ThrottledError:
+                limit.throttled(granted)
+                raise
+            else:
                 limit.succeeded()
-                return result
+            finally:
+                limit.release()
+            return result
 
         return await with_retries(attempt, self.config, f"{what} ({self.name})")
 

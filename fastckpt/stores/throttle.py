@@ -11,9 +11,8 @@ that was throttled last, so that probing for more costs few throttled answers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import weakref
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import Hashable
 
 BACKOFF = 0.7
 """What a throttled round leaves of the requests in flight."""
@@ -33,9 +32,8 @@ class AdaptiveLimit:
         self._round = 0
         self._waiters: list[asyncio.Future[None]] = []
 
-    @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[int]:
-        """Hold one of the endpoint's request slots (waiting for one); yields the round it was granted in."""
+    async def acquire(self) -> int:
+        """Take one of the endpoint's request slots (waiting for one); the round it was granted in."""
         while self.in_flight >= int(self.limit):
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
@@ -45,10 +43,12 @@ class AdaptiveLimit:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
         self.in_flight += 1
-        try:
-            yield self._round
-        finally:
-            self.in_flight -= 1
+        return self._round
+
+    def release(self) -> None:
+        """Give a slot back."""
+        self.in_flight -= 1
+        if self._waiters:
             self._wake()
 
     def throttled(self, granted: int) -> None:
@@ -67,7 +67,8 @@ class AdaptiveLimit:
         if self.throttled_at is not None and self.limit >= NEAR * self.throttled_at:
             step /= 10
         self.limit = min(float(self.ceiling), self.limit + step)
-        self._wake()
+        if self._waiters:
+            self._wake()
 
     def _wake(self) -> None:
         free = int(self.limit) - self.in_flight
