@@ -20,6 +20,15 @@ from .barrier import Barrier, BarrierError, BarrierTimeoutError, Rendezvous, des
 _MISSING_RE = re.compile(r"Ranks? ([\d, ]+?) failed to pass monitoredBarrier")
 
 
+def gloo_group(group: Any) -> Any:
+    """``group`` (None: the default group) when it is a gloo group, else a gloo group over the same ranks (creating
+    one is a collective over the whole world): CPU bytes and objects travel on gloo."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    ranks = dist.get_process_group_ranks(group) if group is not None else None
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
 class TorchBarrier(Barrier):
     """Ranks meet through ``torch.distributed``; rank r of the writer must be rank r of ``group``.
 
@@ -45,11 +54,7 @@ class TorchBarrier(Barrier):
     def _group(self) -> Any:
         with self._lock:
             if self._gloo is None:
-                if dist.get_backend(self.group) == "gloo":
-                    self._gloo = self.group
-                else:
-                    ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
-                    self._gloo = dist.new_group(ranks=ranks, backend="gloo")
+                self._gloo = gloo_group(self.group)
             return self._gloo
 
     def _root(self, group: Any) -> int:

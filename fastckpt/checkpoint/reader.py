@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..config import TransferConfig
 from ..engine.paths import paths_below
@@ -159,8 +160,7 @@ async def open_checkpoint_async(uri: str | StorageURI, *, allow_uncommitted: boo
     async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> Checkpoint:
         ckpt = await load(store, base, allow_uncommitted)
         if ckpt.problems:
-            raise CheckpointError(f"checkpoint {base.raw} is corrupt: "
-                                  + "; ".join(f"{p.name}: {p.reason}" for p in ckpt.problems))
+            raise corrupt_error(base, ckpt)
         return ckpt
 
     if store is not None:
@@ -170,17 +170,24 @@ async def open_checkpoint_async(uri: str | StorageURI, *, allow_uncommitted: boo
 
 async def download_checkpoint_async(
     uri: str | StorageURI, dst: str | os.PathLike[str], *, allow_uncommitted: bool = False,
-    config: TransferConfig | None = None, progress: ProgressCallback | None = None,
+    config: TransferConfig | None = None, progress: ProgressCallback | None = None, group: Any = None,
 ) -> list[FileResult]:
     """Download every file of the checkpoint at ``uri`` below local directory ``dst``, each verified
-    against its manifest digest (IntegrityError on a mismatch). Files not in the manifests are skipped."""
+    against its manifest digest (IntegrityError on a mismatch). Files not in the manifests are skipped.
+
+    With ``group`` (a ``torch.distributed`` process group; every rank of it calls this, each with its own ``dst``),
+    each byte is read from storage once for the whole group and the ranks exchange the rest over it
+    (``checkpoint.group_download``); a failure on any rank fails every rank. None: this process alone."""
     dst = os.fspath(dst)
 
     async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> list[FileResult]:
+        if group is not None:
+            from .group_download import download_in_group  # torch is optional
+
+            return await download_in_group(store, base, cfg, dst, group, allow_uncommitted, progress)
         ckpt = await load(store, base, allow_uncommitted)
         if ckpt.problems:
-            raise CheckpointError(f"checkpoint {base.raw} is corrupt: "
-                                  + "; ".join(f"{p.name}: {p.reason}" for p in ckpt.problems))
+            raise corrupt_error(base, ckpt)
         names = sorted(ckpt.files)
         pairs = list(zip([ckpt.file_key(n) for n in names], paths_below(dst, names), strict=True))
         expected = {ckpt.file_key(n): d for n, d in ckpt.files.items() if d is not None}
@@ -191,6 +198,12 @@ async def download_checkpoint_async(
             transfer.close()
 
     return await with_store(uri, config, run)
+
+
+def corrupt_error(base: StorageURI, ckpt: Checkpoint) -> CheckpointError:
+    """The error for a checkpoint whose metadata failed its checks (``ckpt.problems``)."""
+    return CheckpointError(f"checkpoint {base.raw} is corrupt: " + "; ".join(f"{p.name}: {p.reason}"
+                                                                             for p in ckpt.problems))
 
 
 async def verify_async(uri: str | StorageURI, *, allow_uncommitted: bool = False,

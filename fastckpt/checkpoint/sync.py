@@ -26,11 +26,11 @@ def open_checkpoint(uri: str | StorageURI, *, allow_uncommitted: bool = False,
 
 
 def download_checkpoint(uri: str | StorageURI, dst: str | os.PathLike[str], *, allow_uncommitted: bool = False,
-                        config: TransferConfig | None = None, progress: ProgressCallback | None = None
-                        ) -> list[FileResult]:
+                        config: TransferConfig | None = None, progress: ProgressCallback | None = None,
+                        group: Any = None) -> list[FileResult]:
     """Sync twin of ``download_checkpoint_async``."""
     return run_sync(download_checkpoint_async(uri, dst, allow_uncommitted=allow_uncommitted, config=config,
-                                              progress=progress))
+                                              progress=progress, group=group))
 
 
 def list_checkpoints(uri: str | StorageURI, *, config: TransferConfig | None = None) -> list[CheckpointInfo]:

@@ -1,0 +1,67 @@
+"""A gloo job that downloads one checkpoint on every rank: ``python -m tests.ranks.group_job SPEC_JSON``.
+
+Spec keys: uri, world, port, out, group (share the download over the process group, else every rank alone), die
+(a rank that exits when the exchange starts, or null). Each rank downloads to ``{out}/rank-N/`` and records
+``{out}/rank-N.json``: ``{"ok": ..., "error": ..., "files": {name: sha256}, "seconds": ...}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+import fastckpt
+from fastckpt import TransferConfig
+from fastckpt.checkpoint import group_download
+
+
+def rank_main(rank: int, spec: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=spec["world"], timeout=timedelta(seconds=30))
+    if spec.get("die") == rank:
+        def die(*_: object) -> None:
+            os._exit(9)
+
+        group_download._exchange = die  # type: ignore[assignment]
+    dst = os.path.join(spec["out"], f"rank-{rank}")
+    started = time.monotonic()
+    try:
+        fastckpt.download_checkpoint(spec["uri"], dst, group=dist.group.WORLD if spec["group"] else None,
+                                     config=TransferConfig(part_size=1 << 20, max_in_flight=4, retries=2, retry_for=0))
+        record = {"ok": True, "error": ""}
+    except Exception as exc:
+        record = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    files = {}
+    for root, _, names in os.walk(dst):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                files[os.path.relpath(os.path.join(root, name), dst)] = hashlib.sha256(f.read()).hexdigest()
+    record.update(files=files, seconds=time.monotonic() - started)
+    with open(os.path.join(spec["out"], f"rank-{rank}.json"), "w") as f:
+        json.dump(record, f)
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=rank_main, args=(r, spec)) for r in range(spec["world"])]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        if p.is_alive():
+            p.kill()
+    print("exit codes:", [p.exitcode for p in procs], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

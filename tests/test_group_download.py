@@ -1,0 +1,92 @@
+"""``download_checkpoint(..., group=)`` in real gloo jobs (``tests/ranks/group_job.py``): every rank ends with the
+whole checkpoint, each byte read from storage once for the group, and a failure on any rank fails every rank."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+import fastckpt
+from harness.proxy import FaultProxy
+from harness.uris import below
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+REPO = Path(__file__).resolve().parents[1]
+WORLD = 3
+SIZES = {"model-00001.safetensors": 3 << 20, "model-00002.safetensors": (2 << 20) + 17, "optim/rank_00.pt": 3 << 19,
+         "config.json": 300}
+
+
+def job(tmp_path: Path, uri: str, *, group: bool = True, die: int | None = None) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / f"out-{os.urandom(3).hex()}"
+    out.mkdir()
+    spec = {"uri": uri, "world": WORLD, "port": port, "out": str(out), "group": group, "die": die}
+    run = subprocess.run([sys.executable, "-m", "tests.ranks.group_job", json.dumps(spec)], cwd=REPO,
+                         capture_output=True, text=True, timeout=200)
+    records = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
+    assert records, run.stdout[-2000:] + run.stderr[-2000:]
+    return records
+
+
+def committed(uri: str, tmp_path: Path) -> dict[str, str]:
+    """A committed checkpoint of ``SIZES`` at ``uri``; the sha256 of each file."""
+    src = tmp_path / "src"
+    for name, size in SIZES.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(os.urandom(size))
+    with fastckpt.SyncCheckpointWriter(uri) as w:
+        w.put_dir(src)
+    return {n: hashlib.sha256((src / n).read_bytes()).hexdigest() for n in SIZES}
+
+
+def test_each_byte_read_once_for_the_group(s3_uri: str, moto_server, tmp_path: Path) -> None:
+    """3 ranks each restore the whole checkpoint through a byte-counting proxy: with ``group=`` the store serves
+    about its size once, without it three times; every rank's files are bit-exact either way."""
+    uri = below(s3_uri, "step-1")
+    want = committed(uri, tmp_path)
+    total = sum(SIZES.values())
+    with FaultProxy(urlsplit(moto_server.endpoint).port) as proxy:
+        through = uri.replace(moto_server.endpoint, proxy.url)
+        shared = job(tmp_path, through)
+        once = proxy.moved["down"]
+        alone = job(tmp_path, through, group=False)
+        thrice = proxy.moved["down"] - once
+    for record in shared + alone:
+        assert record["ok"] and record["files"] == want, record["error"]
+    assert once <= 1.05 * total, f"{once} bytes came from the store for a {total}-byte checkpoint"
+    assert thrice >= WORLD * total
+
+
+def test_a_failure_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
+    """A data object changed behind the checkpoint's back fails the rank that fetches it, and so every rank, with
+    the same error; no rank has the bad file under its name."""
+    uri = f"file://{tmp_path}/store/step-1"
+    committed(uri, tmp_path)
+    victim = tmp_path / "store/step-1/model-00002.safetensors"
+    victim.write_bytes(os.urandom(victim.stat().st_size))
+    records = job(tmp_path, uri)
+    errors = {r["error"] for r in records}
+    assert len(errors) == 1 and not any(r["ok"] for r in records), errors
+    assert "digest mismatch" in errors.pop()
+    assert not any("model-00002.safetensors" in r["files"] for r in records)
+
+
+def test_a_rank_that_dies_fails_the_others_in_bounded_time(tmp_path: Path) -> None:
+    uri = f"file://{tmp_path}/store/step-1"
+    committed(uri, tmp_path)
+    records = job(tmp_path, uri, die=1)
+    assert len(records) == WORLD - 1  # the dead rank recorded nothing
+    for record in records:
+        assert not record["ok"] and "process group" in record["error"], record
+        assert record["seconds"] < 60
