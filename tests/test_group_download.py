@@ -1,5 +1,6 @@
-"""``download_checkpoint(..., group=)`` in real gloo jobs (``tests/ranks/group_job.py``): every rank ends with the
-whole checkpoint, each byte read from storage once for the group, and a failure on any rank fails every rank."""
+"""``download_checkpoint(..., group=)`` and ``fastckpt.torch.load(..., group=)`` in real gloo jobs
+(``tests/ranks/group_job.py``): every rank ends with the whole checkpoint (or its state), each byte read from storage
+once for the group, and a failure on any rank fails every rank."""
 
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ SIZES = {"model-00001.safetensors": 3 << 20, "model-00002.safetensors": (2 << 20
          "config.json": 300}
 
 
-def job(tmp_path: Path, uri: str, *, group: bool = True, die: int | None = None) -> list[dict]:
+def job(tmp_path: Path, uri: str, *, group: bool = True, die: int | None = None, mode: str = "download"
+        ) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / f"out-{os.urandom(3).hex()}"
     out.mkdir()
-    spec = {"uri": uri, "world": WORLD, "port": port, "out": str(out), "group": group, "die": die}
+    spec = {"uri": uri, "world": WORLD, "port": port, "out": str(out), "group": group, "die": die, "mode": mode}
     run = subprocess.run([sys.executable, "-m", "tests.ranks.group_job", json.dumps(spec)], cwd=REPO,
                          capture_output=True, text=True, timeout=200)
     records = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
@@ -90,3 +92,48 @@ def test_a_rank_that_dies_fails_the_others_in_bounded_time(tmp_path: Path) -> No
     for record in records:
         assert not record["ok"] and "process group" in record["error"], record
         assert record["seconds"] < 60
+
+
+def saved_state(uri: str) -> dict[str, str]:
+    """Rank 0's tensor state (7 MiB: several chunks on every backend) saved to ``uri``; the sha256 of each
+    tensor's bytes."""
+    torch = pytest.importorskip("torch")
+    import fastckpt.torch as ft
+
+    gen = torch.Generator().manual_seed(7)
+    state = {"embed": torch.randn(1024, 1024, generator=gen), "head": torch.randn(512, 1536, generator=gen),
+             "step": torch.tensor([3])}
+    ft.save(state, uri, config=fastckpt.TransferConfig(part_size=1 << 20))
+    return {k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, v in state.items()}
+
+
+def test_state_every_rank_loads_is_read_once_for_the_group(s3_uri: str, moto_server, tmp_path: Path) -> None:
+    """3 ranks each load stored rank 0's state: with ``group=`` its bytes come from the store about once (each rank
+    fetches a range and sends it to the others), without it three times; every rank's tensors are bit-exact."""
+    uri = below(s3_uri, "state")
+    want = saved_state(uri)
+    size = fastckpt.open_checkpoint(uri).files["rank-00000.safetensors"].size
+    with FaultProxy(urlsplit(moto_server.endpoint).port) as proxy:
+        through = uri.replace(moto_server.endpoint, proxy.url)
+        shared = job(tmp_path, through, mode="load")
+        once = proxy.moved["down"]
+        alone = job(tmp_path, through, group=False, mode="load")
+        thrice = proxy.moved["down"] - once
+    for record in shared + alone:
+        assert record["ok"] and record["files"] == want, record["error"]
+    assert once <= 1.05 * size, f"{once} bytes came from the store for a {size}-byte state"
+    assert thrice >= WORLD * size
+
+
+def test_a_corrupt_state_fails_every_loading_rank(tmp_path: Path) -> None:
+    uri = f"file://{tmp_path}/store/state"
+    saved_state(uri)
+    victim = tmp_path / "store/state/rank-00000.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF  # the last chunk: fetched by the last rank
+    victim.write_bytes(bytes(data))
+    records = job(tmp_path, uri, mode="load")
+    errors = {r["error"] for r in records}
+    assert len(errors) == 1 and not any(r["ok"] for r in records), errors
+    assert "differ from the manifest" in errors.pop()

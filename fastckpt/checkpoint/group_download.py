@@ -10,7 +10,6 @@ within the group's timeout.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import heapq
 import os
@@ -25,12 +24,12 @@ from ..engine.paths import paths_below
 from ..engine.progress import ProgressCallback
 from ..engine.session import FileResult
 from ..engine.transfer import Transfer
-from ..errors import CheckpointError, IntegrityError
+from ..errors import IntegrityError
 from ..fileio import read_exact, write_at
 from ..integrity import ChunkHasher, FileDigest, combine
 from ..stores.base import Store
 from ..uri import StorageURI
-from .barrier_torch import gloo_group
+from .group import GroupCall
 from .reader import corrupt_error, load
 
 CHUNK = 16 << 20
@@ -44,21 +43,18 @@ async def download_in_group(store: Store, base: StorageURI, cfg: TransferConfig,
                             allow_uncommitted: bool, progress: ProgressCallback | None) -> list[FileResult]:
     """``download_checkpoint_async`` with ``group=``: every rank of ``group`` calls it, and each ends with the
     whole checkpoint below its own ``dst``."""
-    gloo = await asyncio.to_thread(gloo_group, group)
-    rank, world = dist.get_rank(gloo), dist.get_world_size(gloo)
+    call = await GroupCall.of(group, f"download of checkpoint {base.raw} by its process group")
     plan: dict[str, Any] = {}
-    if rank == 0:
+    if call.rank == 0:
         try:
-            plan = {"files": await _plan(store, base, allow_uncommitted, world)}
+            plan = {"files": await _plan(store, base, allow_uncommitted, call.size)}
         except Exception as exc:  # every rank raises it, once they have it
             plan = {"error": f"{type(exc).__name__}: {exc}"}
-    plan = await _collective(gloo, rank, base, lambda: _broadcast(plan, gloo))
-    if "error" in plan:
-        raise CheckpointError(f"download of checkpoint {base.raw} by its process group failed on rank 0: "
-                              f"{plan['error']}")
+    plan = await call.share(plan)
+    await call.agree(plan.get("error"))
     files: list[Planned] = [tuple(f) for f in plan["files"]]  # type: ignore[misc]
     paths = dict(zip([f[0] for f in files], paths_below(dst, [f[0] for f in files]), strict=True))
-    mine = [f for f in files if f[4] == rank]
+    mine = [f for f in files if f[4] == call.rank]
     transfer = Transfer(store, cfg, progress)
     error = None
     try:
@@ -68,9 +64,9 @@ async def download_in_group(store: Store, base: StorageURI, cfg: TransferConfig,
         error = f"{type(exc).__name__}: {exc}"
     finally:
         transfer.close()
-    await _agree(gloo, rank, base, error)
-    received = await _collective(gloo, rank, base, lambda: _exchange(gloo, rank, files, paths, cfg.fsync))
-    await _agree(gloo, rank, base, received if isinstance(received, str) else None)
+    await call.agree(error)
+    received = await call.run(lambda: _exchange(call, files, paths, cfg.fsync))
+    await call.agree(received if isinstance(received, str) else None)
     digests: dict[str, list[bytes]] = received if isinstance(received, dict) else {}
     return [FileResult(base.join(name), paths[name],
                        FileDigest(size, chunk, digest) if name not in digests else
@@ -97,32 +93,7 @@ async def _plan(store: Store, base: StorageURI, allow_uncommitted: bool, world: 
     return sorted(planned)
 
 
-def _broadcast(value: dict[str, Any], gloo: Any) -> dict[str, Any]:
-    box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(gloo, 0), group=gloo)
-    return box[0]
-
-
-async def _collective(gloo: Any, rank: int, base: StorageURI, run: Any) -> Any:
-    """``run()`` (blocking collectives) on a worker thread; a broken group as a CheckpointError."""
-    try:
-        return await asyncio.to_thread(run)
-    except RuntimeError as exc:  # a rank died or timed out: the collective itself failed
-        raise CheckpointError(f"download of checkpoint {base.raw} by its process group failed: rank {rank} lost "
-                              f"the group ({' '.join(str(exc).split())[:300]})") from exc
-
-
-async def _agree(gloo: Any, rank: int, base: StorageURI, error: str | None) -> None:
-    """Every rank tells the others how its part went; the first failure is raised on every rank."""
-    errors: list[str | None] = [None] * dist.get_world_size(gloo)
-    await _collective(gloo, rank, base, lambda: dist.all_gather_object(errors, error, group=gloo))
-    failed = next(((r, e) for r, e in enumerate(errors) if e), None)
-    if failed is not None:
-        raise CheckpointError(f"download of checkpoint {base.raw} by its process group failed on rank {failed[0]}: "
-                              f"{failed[1]}")
-
-
-def _exchange(gloo: Any, rank: int, files: list[Planned], paths: dict[str, str], fsync: bool
+def _exchange(call: GroupCall, files: list[Planned], paths: dict[str, str], fsync: bool
               ) -> dict[str, list[bytes]] | str:
     """On a worker thread: each file sent by its owner to every other rank, a chunk at a time; the chunk digests of
     what this rank received, or what went wrong here (the rank goes on taking part, so no collective hangs)."""
@@ -132,7 +103,7 @@ def _exchange(gloo: Any, rank: int, files: list[Planned], paths: dict[str, str],
     received: dict[str, list[bytes]] = {}
     error: str | None = None
     for name, size, chunk, digest, owner in files:
-        path, mine = paths[name], owner == rank
+        path, mine = paths[name], owner == call.rank
         fd, tmp, hasher = -1, "", ChunkHasher(chunk or CHUNK)
         try:
             if mine:
@@ -146,7 +117,7 @@ def _exchange(gloo: Any, rank: int, files: list[Planned], paths: dict[str, str],
                 piece = view[:min(CHUNK, size - offset)]
                 if mine and fd >= 0:
                     read_exact(fd, offset, piece)
-                dist.broadcast(tensor[:len(piece)], src=dist.get_global_rank(gloo, owner), group=gloo)
+                dist.broadcast(tensor[:len(piece)], src=call.global_rank(owner), group=call.gloo)
                 if not mine and fd >= 0:
                     write_at(fd, offset, piece)
                     hasher.update(piece)

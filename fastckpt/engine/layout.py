@@ -53,6 +53,10 @@ class Layout:
             out[pos:pos + len(piece)] = piece
             pos += len(piece)
 
+    def scatter(self, offset: int, data: memoryview) -> None:
+        """Copy ``data`` into the layout at ``offset``."""
+        _scatter(data, self.pieces(offset, len(data)))
+
 
 def hash_pieces(pieces: list[memoryview], chunk_size: int) -> list[bytes]:
     """Chunk digests of the bytes of ``pieces`` laid end to end (their total starts at a chunk boundary)."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .._loop import BackgroundLoop
-from ..checkpoint.reader import Checkpoint, open_checkpoint_async
+from ..checkpoint.reader import open_checkpoint_async
 from ..config import TransferConfig
 from ..engine.layout import Layout, read_layout
 from ..engine.open_stores import store_for
@@ -26,7 +27,7 @@ HEAD_READ = 64 << 10
 
 
 @dataclass
-class _Target:
+class Target:
     """Where one stored tensor goes: ``tensor`` itself, or (when it is not contiguous) ``bounce``, then copied
     into it."""
 
@@ -42,15 +43,15 @@ class _Target:
 
 def load(uri: str | StorageURI, *, state_dict: Any = None, device: str | torch.device | None = None,
          rank: int | None = None, world_size: int | None = None, config: TransferConfig | None = None,
-         staging: Staging | None = None) -> Any:
+         staging: Staging | None = None, group: Any = None) -> Any:
     """Load rank ``rank``'s state from committed checkpoint ``uri``; see ``load_async``."""
     return BackgroundLoop.get().run(load_async(uri, state_dict=state_dict, device=device, rank=rank,
-                                               world_size=world_size, config=config, staging=staging))
+                                               world_size=world_size, config=config, staging=staging, group=group))
 
 
 async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: str | torch.device | None = None,
                      rank: int | None = None, world_size: int | None = None, config: TransferConfig | None = None,
-                     staging: Staging | None = None) -> Any:
+                     staging: Staging | None = None, group: Any = None) -> Any:
     """The state rank ``rank`` saved to checkpoint ``uri`` (committed only), every byte verified against the
     manifest (IntegrityError on a mismatch).
 
@@ -59,12 +60,20 @@ async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: s
     (default CPU). CPU tensors receive their bytes straight from the network or file; tensors on a device
     go through ``staging`` (default: a 256 MiB pinned area), window by window, copied ``non_blocking``.
     Passing ``staging`` sends CPU tensors through it too. ``rank`` may be left out for a one-rank checkpoint.
+
+    With ``group`` (a ``torch.distributed`` process group; every rank of it calls this, each naming the stored rank
+    it loads), each byte is read from storage once for the whole group and shared over it
+    (``torch.group_load``); a failure on any rank fails every rank. None: this process alone.
     """
     base = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
     cfg = config or TransferConfig.from_env()
     async with store_for(base, cfg) as store:
+        if group is not None:
+            from .group_load import load_in_group
+
+            return await load_in_group(base, cfg, store, group, state_dict, device, rank, world_size)
         ckpt = await open_checkpoint_async(base, config=cfg, store=store)
-        name, digest = _rank_entry(ckpt, base, rank, world_size)
+        name, digest = rank_entry(ckpt.info.world_size or 1, ckpt.files, base, rank, world_size)
         key, what = ckpt.file_key(name), f"{base.raw}/{name}"
         transfer = Transfer(store, cfg)
         try:
@@ -75,7 +84,7 @@ async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: s
             header = parse_header(head[:need], digest.size, what)
             if header.size != digest.size:
                 raise CheckpointError(f"{what}: header describes {header.size} bytes, the manifest {digest.size}")
-            targets = _targets(header, state_dict, torch.device(device or "cpu"), what)
+            targets = destinations(header, state_dict, torch.device(device or "cpu"), what)
             staged = staging is not None or any(t.dest.device.type != "cpu" for t in targets)
             if staged:
                 chunks = await _read_staged(transfer, key, header, targets, digest, staging or Staging(256 << 20))
@@ -90,10 +99,10 @@ async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: s
     return unflatten(header.skeleton, {t.entry.name: t.tensor for t in targets}, what)
 
 
-def _rank_entry(ckpt: Checkpoint, base: StorageURI, rank: int | None, world_size: int | None
-                ) -> tuple[str, FileDigest]:
-    """The name and digest of ``rank``'s tensor file (``rank`` may be left out of a one-rank checkpoint)."""
-    saved = ckpt.info.world_size or 1
+def rank_entry(saved: int, files: Mapping[str, FileDigest | None], base: StorageURI, rank: int | None,
+               world_size: int | None) -> tuple[str, FileDigest]:
+    """The name and digest of ``rank``'s tensor file among ``files`` of a checkpoint ``saved`` ranks wrote (``rank``
+    may be left out of a one-rank checkpoint)."""
     if world_size is not None and world_size != saved:
         raise CheckpointError(f"checkpoint {base.raw} was saved by {saved} rank(s), not {world_size}; "
                               "load each saved rank's state, or save through fastckpt.torch.dcp to reshard")
@@ -102,13 +111,13 @@ def _rank_entry(ckpt: Checkpoint, base: StorageURI, rank: int | None, world_size
             raise CheckpointError(f"checkpoint {base.raw} was saved by {saved} ranks: pass rank=")
         rank = 0
     name = rank_file(rank)
-    digest = ckpt.files.get(name)
+    digest = files.get(name)
     if digest is None:
         raise CheckpointError(f"checkpoint {base.raw} holds no tensor state of rank {rank} ({name})")
     return name, digest
 
 
-def _targets(header: Header, template: Any, device: torch.device, what: str) -> list[_Target]:
+def destinations(header: Header, template: Any, device: torch.device, what: str) -> list[Target]:
     """Destination tensors in file order: the template's (checked) or new ones on ``device``."""
     given = flatten(template)[1] if template is not None else {}
     missing = sorted(set(given) - set(header.tensors))
@@ -123,11 +132,11 @@ def _targets(header: Header, template: Any, device: torch.device, what: str) -> 
             raise CheckpointError(f"{what}: tensor {entry.name!r} is stored as {entry.dtype}{list(entry.shape)}, "
                                   f"the state_dict has {tensor.dtype}{list(tensor.shape)}")
         bounce = None if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        out.append(_Target(entry, tensor, bounce))
+        out.append(Target(entry, tensor, bounce))
     return out
 
 
-def _layout(header: Header, targets: list[_Target], head: bytearray) -> Layout:
+def file_layout(header: Header, targets: list[Target], head: bytearray) -> Layout:
     """The whole file as views: the header, then each tensor's memory; gaps go to scratch buffers."""
     views: list[memoryview | bytearray] = [head]
     pos = 0
@@ -140,15 +149,15 @@ def _layout(header: Header, targets: list[_Target], head: bytearray) -> Layout:
     return Layout(views)
 
 
-async def _read_direct(transfer: Transfer, key: str, header: Header, targets: list[_Target],
+async def _read_direct(transfer: Transfer, key: str, header: Header, targets: list[Target],
                        digest: FileDigest) -> list[bytes]:
     head = bytearray(header.data_start)
-    chunks = await read_layout(transfer, key, 0, _layout(header, targets, head), digest.chunk_size)
+    chunks = await read_layout(transfer, key, 0, file_layout(header, targets, head), digest.chunk_size)
     _same_header(head, header, key)
     return chunks
 
 
-async def _read_staged(transfer: Transfer, key: str, header: Header, targets: list[_Target], digest: FileDigest,
+async def _read_staged(transfer: Transfer, key: str, header: Header, targets: list[Target], digest: FileDigest,
                        staging: Staging) -> list[bytes]:
     """Read the file window by window into ``staging`` and copy each tensor's share to it (``non_blocking``)."""
     chunk = digest.chunk_size
@@ -169,7 +178,7 @@ async def _read_staged(transfer: Transfer, key: str, header: Header, targets: li
     return chunks
 
 
-def _scatter(window: torch.Tensor, start: int, data_start: int, targets: list[_Target]) -> None:
+def _scatter(window: torch.Tensor, start: int, data_start: int, targets: list[Target]) -> None:
     """Copy each target's share of the file window at ``start`` into it (device copies ``non_blocking``, then
     waited for: the window is overwritten next)."""
     devices: set[torch.device] = set()

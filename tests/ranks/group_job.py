@@ -1,8 +1,9 @@
 """A gloo job that downloads one checkpoint on every rank: ``python -m tests.ranks.group_job SPEC_JSON``.
 
 Spec keys: uri, world, port, out, group (share the download over the process group, else every rank alone), die
-(a rank that exits when the exchange starts, or null). Each rank downloads to ``{out}/rank-N/`` and records
-``{out}/rank-N.json``: ``{"ok": ..., "error": ..., "files": {name: sha256}, "seconds": ...}``.
+(a rank that exits when the exchange starts, or null), mode (``download``, the default: each rank downloads to
+``{out}/rank-N/``; ``load``: each rank loads stored rank 0's tensor state with ``fastckpt.torch.load``). Each rank
+records ``{out}/rank-N.json``: ``{"ok": ..., "error": ..., "files": {name or tensor key: sha256}, "seconds": ...}``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import sys
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 import fastckpt
+import fastckpt.torch as ft
 from fastckpt import TransferConfig
 from fastckpt.checkpoint import group_download
 
@@ -31,14 +34,19 @@ def rank_main(rank: int, spec: dict) -> None:
 
         group_download._exchange = die  # type: ignore[assignment]
     dst = os.path.join(spec["out"], f"rank-{rank}")
-    started = time.monotonic()
+    group = dist.group.WORLD if spec["group"] else None
+    config = TransferConfig(part_size=1 << 20, max_in_flight=4, retries=2, retry_for=0)
+    started, files = time.monotonic(), {}
     try:
-        fastckpt.download_checkpoint(spec["uri"], dst, group=dist.group.WORLD if spec["group"] else None,
-                                     config=TransferConfig(part_size=1 << 20, max_in_flight=4, retries=2, retry_for=0))
+        if spec.get("mode") == "load":
+            state = ft.load(spec["uri"], rank=0, group=group, config=config)
+            files = {k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                     for k, v in state.items()}
+        else:
+            fastckpt.download_checkpoint(spec["uri"], dst, group=group, config=config)
         record = {"ok": True, "error": ""}
     except Exception as exc:
         record = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    files = {}
     for root, _, names in os.walk(dst):
         for name in names:
             with open(os.path.join(root, name), "rb") as f:

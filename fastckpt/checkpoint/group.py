@@ -1,0 +1,59 @@
+"""Collectives over a ``torch.distributed`` process group as fastckpt's group-wide reads use them: on the group's
+gloo twin, on a worker thread (the event loop keeps running), a broken group raised as a CheckpointError, and the
+first rank's failure raised on every rank."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ..errors import CheckpointError
+from .barrier_torch import gloo_group
+
+T = TypeVar("T")
+
+
+class GroupCall:
+    """One group-wide operation (``what``, named in its errors) by every rank of a gloo group."""
+
+    def __init__(self, gloo: Any, what: str) -> None:
+        self.gloo, self.what = gloo, what
+        self.rank, self.size = dist.get_rank(gloo), dist.get_world_size(gloo)
+
+    @classmethod
+    async def of(cls, group: Any, what: str) -> GroupCall:
+        """The call on ``group``'s gloo twin (``barrier_torch.gloo_group``)."""
+        return cls(await asyncio.to_thread(gloo_group, group), what)
+
+    def global_rank(self, rank: int) -> int:
+        """The world rank of group rank ``rank``."""
+        return dist.get_global_rank(self.gloo, rank)
+
+    async def run(self, collectives: Callable[[], T]) -> T:
+        """``collectives()`` (blocking) on a worker thread; a rank that died or timed out as a CheckpointError."""
+        try:
+            return await asyncio.to_thread(collectives)
+        except RuntimeError as exc:
+            raise CheckpointError(f"{self.what} failed: rank {self.rank} lost the process group "
+                                  f"({' '.join(str(exc).split())[:300]})") from exc
+
+    async def share(self, value: T) -> T:
+        """Rank 0's ``value``, on every rank."""
+        box = [value]
+        await self.run(lambda: dist.broadcast_object_list(box, src=self.global_rank(0), group=self.gloo))
+        return box[0]
+
+    async def gather(self, value: T) -> list[T]:
+        """Every rank's ``value``, by rank, on every rank."""
+        values: list[Any] = [None] * self.size
+        await self.run(lambda: dist.all_gather_object(values, value, group=self.gloo))
+        return values
+
+    async def agree(self, error: str | None) -> None:
+        """Every rank tells how its part went; the first failure is raised on every rank, in the same words."""
+        failed = next(((r, e) for r, e in enumerate(await self.gather(error)) if e), None)
+        if failed is not None:
+            raise CheckpointError(f"{self.what} failed on rank {failed[0]}: {failed[1]}")

@@ -1,0 +1,156 @@
+"""Tensor state loaded by every rank of a ``torch.distributed`` process group, each byte read from storage once.
+
+Group rank 0 reads the marker and the manifests and hands them to the others; each rank names the stored rank it
+loads (``load(uri, rank=k, group=pg)``: every rank loading rank 0's state, or shard ``r % S`` of ``S``). A file that
+several ranks load is cut at its chunk boundaries into one range per such rank; each range is fetched from storage by
+one of them, straight into its own tensors, and checked there against the manifest's chunk digests, then sent to the
+others over the group (gloo point to point, 16 MiB at a time, in one order every rank follows, so none waits on
+another that waits on it). Every rank checks its whole file's digest before its state is returned; a failure on any
+rank fails every rank with the same error. Tensors on a device are received on the host, then copied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.group import GroupCall
+from ..checkpoint.reader import open_checkpoint_async
+from ..config import TransferConfig
+from ..engine.layout import Layout, read_layout
+from ..engine.transfer import Transfer
+from ..errors import CheckpointError, IntegrityError
+from ..integrity import ChunkHasher, FileDigest
+from ..stores.base import Store
+from ..uri import StorageURI
+from .format import header_length, parse_header, unflatten
+from .load import HEAD_READ, Target, destinations, file_layout, rank_entry
+
+CHUNK = 16 << 20
+"""Bytes sent between two ranks at once: each rank holds one such buffer, whatever the state's size."""
+
+Range = tuple[int, int, int]
+"""(start, end, owner rank) of a part of one file."""
+
+
+def ranges(size: int, chunk: int, needers: list[int]) -> list[Range]:
+    """``size`` bytes cut at ``chunk`` boundaries into one range per rank of ``needers`` (fewer when the file has
+    fewer chunks), the first to the first."""
+    chunks = -(-size // chunk)
+    count = max(1, min(chunks, len(needers)))
+    bounds = [i * chunks // count * chunk for i in range(count)] + [size]
+    return [(bounds[i], min(bounds[i + 1], size), needers[i]) for i in range(count)]
+
+
+async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, group: Any, state_dict: Any,
+                        device: str | torch.device | None, rank: int | None, world_size: int | None) -> Any:
+    """``load_async`` with ``group=``: every rank of ``group`` calls it, each for the stored rank it names."""
+    call = await GroupCall.of(group, f"load of checkpoint {base.raw} by its process group")
+    plan: dict[str, Any] = {}
+    if call.rank == 0:
+        try:
+            ckpt = await open_checkpoint_async(base, config=cfg, store=store)
+            plan = {"saved": ckpt.info.world_size or 1, "chunks": {n: list(c) for n, c in ckpt.chunks.items()},
+                    "files": {n: (d.size, d.chunk_size, d.digest) for n, d in ckpt.files.items() if d is not None}}
+        except Exception as exc:
+            plan = {"error": f"{type(exc).__name__}: {exc}"}
+    plan = await call.share(plan)
+    await call.agree(plan.get("error"))
+    files = {n: FileDigest(*v) for n, v in plan["files"].items()}
+    name, error = "", None
+    try:
+        name = rank_entry(plan["saved"], files, base, rank, world_size)[0]
+    except CheckpointError as exc:
+        error = str(exc)
+    await call.agree(error)
+    wanted = await call.gather(name)
+    digest, key, what = files[name], base.join(name), f"{base.raw}/{name}"
+    needers = [r for r, n in enumerate(wanted) if n == name]
+    mine = ranges(digest.size, digest.chunk_size, needers)
+    transfer = Transfer(store, cfg)
+    try:
+        raw, error = await _header(transfer, key, digest, what) if needers[0] == call.rank else (b"", None)
+        headers = await call.gather((raw, error))
+        await call.agree(next((e for _, e in headers if e), None))
+        got: dict[int, list[bytes]] = {}
+        error = None
+        try:  # a state_dict that does not match fails here: recorded, so that every rank raises it
+            header = parse_header(headers[needers[0]][0], digest.size, what)
+            targets = [Target(t.entry, t.tensor, t.bounce if t.dest.device.type == "cpu" else
+                              torch.empty(t.entry.shape, dtype=t.entry.dtype))
+                       for t in destinations(header, state_dict, torch.device(device or "cpu"), what)]
+            head = bytearray(header.data_start)
+            layout = file_layout(header, targets, head)
+            for start, end, owner in mine:
+                if owner == call.rank:
+                    got[start] = await read_layout(transfer, key, start, Layout(layout.pieces(start, end - start)),
+                                                   digest.chunk_size)
+                    _check_chunks(got[start], plan["chunks"].get(name), start // digest.chunk_size, what, call.rank)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        await call.agree(error)
+    finally:
+        transfer.close()
+    loaders = {n: [r for r, w in enumerate(wanted) if w == n] for n in sorted(set(wanted))}
+    plans = {n: (ranks, ranges(files[n].size, files[n].chunk_size, ranks)) for n, ranks in loaders.items()}
+    received = await call.run(lambda: _exchange(call, plans, layout, digest.chunk_size))
+    got.update(received)
+    error = None
+    try:
+        digest.check([d for start in sorted(got) for d in got[start]], what)
+        if bytes(head) != header.raw:
+            raise IntegrityError(f"{what}: the header received differs from the one parsed")
+    except IntegrityError as exc:
+        error = str(exc)
+    await call.agree(error)
+    for t in targets:
+        if t.bounce is not None:
+            t.tensor.copy_(t.bounce)
+    return unflatten(header.skeleton, {t.entry.name: t.tensor for t in targets}, what)
+
+
+async def _header(transfer: Transfer, key: str, digest: FileDigest, what: str) -> tuple[bytes, str | None]:
+    """The file's header bytes, read by the rank that fetches its first range (or what went wrong)."""
+    try:
+        head = await transfer.store.get_range(key, 0, min(HEAD_READ, digest.size))
+        need = header_length(head, what)
+        if need > len(head):
+            head = await transfer.store.get_range(key, 0, need)
+        return bytes(head[:need]), None
+    except Exception as exc:
+        return b"", f"{type(exc).__name__}: {exc}"
+
+
+def _check_chunks(found: list[bytes], recorded: list[str] | None, first: int, what: str, rank: int) -> None:
+    """The chunks fetched here are those the manifest records (verified where they were fetched)."""
+    if recorded is not None and [d.hex() for d in found] != recorded[first:first + len(found)]:
+        raise IntegrityError(f"{what}: chunks from {first} fetched by rank {rank} differ from the manifest's")
+
+
+def _exchange(call: GroupCall, plans: dict[str, tuple[list[int], list[Range]]], layout: Layout, chunk: int
+              ) -> dict[int, list[bytes]]:
+    """On a worker thread: every range sent by its owner to each other rank that loads its file, in the same order on
+    every rank; the chunk digests of the ranges this rank received, by start."""
+    buf = bytearray(CHUNK)
+    view, tensor = memoryview(buf), torch.frombuffer(buf, dtype=torch.uint8)
+    received: dict[int, list[bytes]] = {}
+    for loaders, parts in plans.values():
+        for start, end, owner in parts:
+            for peer in loaders:
+                if peer == owner or call.rank not in (owner, peer):
+                    continue
+                hasher = ChunkHasher(chunk)
+                for offset in range(start, end, CHUNK):
+                    piece = view[:min(CHUNK, end - offset)]
+                    if call.rank == owner:
+                        layout.gather(offset, piece)
+                        dist.send(tensor[:len(piece)], dst=call.global_rank(peer), group=call.gloo)
+                    else:
+                        dist.recv(tensor[:len(piece)], src=call.global_rank(owner), group=call.gloo)
+                        layout.scatter(offset, piece)
+                        hasher.update(piece)
+                if call.rank == peer:
+                    received[start] = hasher.finish()
+    return received
