@@ -41,6 +41,17 @@ def job(tmp_path: Path, uri: str, *, group: bool = True, die: int | None = None,
     return records
 
 
+def served(endpoint: str, uri: str, tmp_path: Path, mode: str) -> tuple[list[dict], list[dict], int, int]:
+    """The job run on ``uri`` through a byte-counting proxy in front of ``endpoint``, with ``group=`` and without:
+    (records with, records without, bytes the store served with, bytes without)."""
+    with FaultProxy(urlsplit(endpoint).port) as proxy:
+        through = uri.replace(endpoint, proxy.url)
+        shared = job(tmp_path, through, mode=mode)
+        once = proxy.moved["down"]
+        alone = job(tmp_path, through, group=False, mode=mode)
+        return shared, alone, once, proxy.moved["down"] - once
+
+
 def committed(uri: str, tmp_path: Path) -> dict[str, str]:
     """A committed checkpoint of ``SIZES`` at ``uri``; the sha256 of each file."""
     src = tmp_path / "src"
@@ -52,22 +63,19 @@ def committed(uri: str, tmp_path: Path) -> dict[str, str]:
     return {n: hashlib.sha256((src / n).read_bytes()).hexdigest() for n in SIZES}
 
 
-def test_each_byte_read_once_for_the_group(s3_uri: str, moto_server, tmp_path: Path) -> None:
-    """3 ranks each restore the whole checkpoint through a byte-counting proxy: with ``group=`` the store serves
-    about its size once, without it three times; every rank's files are bit-exact either way."""
-    uri = below(s3_uri, "step-1")
-    want = committed(uri, tmp_path)
-    total = sum(SIZES.values())
-    with FaultProxy(urlsplit(moto_server.endpoint).port) as proxy:
-        through = uri.replace(moto_server.endpoint, proxy.url)
-        shared = job(tmp_path, through)
-        once = proxy.moved["down"]
-        alone = job(tmp_path, through, group=False)
-        thrice = proxy.moved["down"] - once
+@pytest.mark.parametrize("mode", ["download", "load"])
+def test_each_byte_read_once_for_the_group(mode: str, s3_uri: str, moto_server, tmp_path: Path) -> None:
+    """3 ranks each restore through a byte-counting proxy (``download``: the whole checkpoint; ``load``: stored rank
+    0's state): with ``group=`` the store serves its bytes about once (each rank fetches a part and sends it to the
+    others), without it three times; every rank ends bit-exact either way."""
+    uri = below(s3_uri, mode)
+    want = committed(uri, tmp_path) if mode == "download" else saved_state(uri)
+    size = sum(f.size for f in fastckpt.open_checkpoint(uri).files.values() if f is not None)
+    shared, alone, once, thrice = served(moto_server.endpoint, uri, tmp_path, mode)
     for record in shared + alone:
         assert record["ok"] and record["files"] == want, record["error"]
-    assert once <= 1.05 * total, f"{once} bytes came from the store for a {total}-byte checkpoint"
-    assert thrice >= WORLD * total
+    assert once <= 1.05 * size, f"{once} bytes came from the store for {size} bytes of checkpoint"
+    assert thrice >= WORLD * size
 
 
 def test_a_failure_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
@@ -106,24 +114,6 @@ def saved_state(uri: str) -> dict[str, str]:
     ft.save(state, uri, config=fastckpt.TransferConfig(part_size=1 << 20))
     return {k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
             for k, v in state.items()}
-
-
-def test_state_every_rank_loads_is_read_once_for_the_group(s3_uri: str, moto_server, tmp_path: Path) -> None:
-    """3 ranks each load stored rank 0's state: with ``group=`` its bytes come from the store about once (each rank
-    fetches a range and sends it to the others), without it three times; every rank's tensors are bit-exact."""
-    uri = below(s3_uri, "state")
-    want = saved_state(uri)
-    size = fastckpt.open_checkpoint(uri).files["rank-00000.safetensors"].size
-    with FaultProxy(urlsplit(moto_server.endpoint).port) as proxy:
-        through = uri.replace(moto_server.endpoint, proxy.url)
-        shared = job(tmp_path, through, mode="load")
-        once = proxy.moved["down"]
-        alone = job(tmp_path, through, group=False, mode="load")
-        thrice = proxy.moved["down"] - once
-    for record in shared + alone:
-        assert record["ok"] and record["files"] == want, record["error"]
-    assert once <= 1.05 * size, f"{once} bytes came from the store for a {size}-byte state"
-    assert thrice >= WORLD * size
 
 
 def test_a_corrupt_state_fails_every_loading_rank(tmp_path: Path) -> None:

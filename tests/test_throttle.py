@@ -58,6 +58,17 @@ async def test_limit_falls_once_per_round_and_binds() -> None:
     await asyncio.gather(waiting, return_exceptions=True)
 
 
+async def test_a_waiter_cancelled_after_its_wake_passes_the_slot_on() -> None:
+    limit = AdaptiveLimit(ceiling=1 << 16)
+    limit.throttled(await limit.acquire())  # the limit is now 1, held
+    first, second = asyncio.ensure_future(limit.acquire()), asyncio.ensure_future(limit.acquire())
+    await asyncio.sleep(0)
+    limit.release()  # wakes the first waiter...
+    first.cancel()  # ...which is cancelled before it runs
+    assert await asyncio.wait_for(second, 1) == 1 and limit.in_flight == 1
+    assert first.cancelled()
+
+
 async def _hold_many(limit: AdaptiveLimit, n: int) -> None:
     async def one() -> None:
         await limit.acquire()

@@ -39,9 +39,12 @@ class AdaptiveLimit:
             self._waiters.append(waiter)
             try:
                 await waiter
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
+            except asyncio.CancelledError:
+                self._waiters.remove(waiter)
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()  # woken for a slot, cancelled before taking it: the slot goes to the next waiter
+                raise
+            self._waiters.remove(waiter)
         self.in_flight += 1
         return self._round
 

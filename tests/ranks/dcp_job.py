@@ -14,7 +14,6 @@ Exit status 0 when every rank's check passed.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
 
@@ -28,6 +27,7 @@ import fastckpt.checkpoint.writer
 import fastckpt.torch as ft
 from fastckpt.torch.dcp import Reader, Writer
 from harness.uris import below
+from tests.ranks import run_ranks
 
 SHAPES = {"embed": (96, 40), "layer.0.w": (64, 64), "layer.0.b": (64,), "head": (40, 96)}
 
@@ -103,16 +103,7 @@ def rank_main(rank: int, mode: str, base: str, world: int, port: int) -> None:
 
 def main() -> int:
     mode, uri, world, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=rank_main, args=(r, mode, uri, world, port)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-        if p.is_alive():
-            p.kill()
-    codes = [p.exitcode for p in procs]
-    print("exit codes:", codes, flush=True)
+    codes = run_ranks(rank_main, world, mode, uri, world, port)
     return 0 if all(c == 0 for c in codes) else 1
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import os
 import sys
 import time
@@ -23,6 +22,7 @@ import fastckpt
 import fastckpt.torch as ft
 from fastckpt import TransferConfig
 from fastckpt.checkpoint import group_download
+from tests.ranks import run_ranks
 
 
 def rank_main(rank: int, spec: dict) -> None:
@@ -59,15 +59,7 @@ def rank_main(rank: int, spec: dict) -> None:
 
 def main() -> int:
     spec = json.loads(sys.argv[1])
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=rank_main, args=(r, spec)) for r in range(spec["world"])]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        if p.is_alive():
-            p.kill()
-    print("exit codes:", [p.exitcode for p in procs], flush=True)
+    run_ranks(rank_main, spec["world"], spec, timeout=120)
     return 0
 
 
