@@ -68,7 +68,7 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
     wanted = await call.gather(name)
     digest, key, what = files[name], base.join(name), f"{base.raw}/{name}"
     needers = [r for r, n in enumerate(wanted) if n == name]
-    mine = ranges(digest.size, digest.chunk_size, needers)
+    parts = ranges(digest.size, digest.chunk_size, needers)
     transfer = Transfer(store, cfg)
     try:
         raw, error = await _header(transfer, key, digest, what) if needers[0] == call.rank else (b"", None)
@@ -83,7 +83,7 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
                        for t in destinations(header, state_dict, torch.device(device or "cpu"), what)]
             head = bytearray(header.data_start)
             layout = file_layout(header, targets, head)
-            for start, end, owner in mine:
+            for start, end, owner in parts:
                 if owner == call.rank:
                     got[start] = await read_layout(transfer, key, start, Layout(layout.pieces(start, end - start)),
                                                    digest.chunk_size)
