@@ -77,6 +77,8 @@ class FaultProxy:
         self._serving = 0
         self.answers: list[bool] = []
         """Under ``throttle``: one entry per request, in order, True when the proxy throttled it."""
+        self.requests: list[str] = []
+        """Under ``throttle``: each request's first line (method and target), in order."""
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
@@ -231,6 +233,7 @@ class FaultProxy:
             client_w.transport.abort()
             return
         self.answers.append(self._serving >= limit)
+        self.requests.append(head.split(b"\r\n", 1)[0].decode("latin-1"))
         if self.answers[-1]:
             await self._answer(client_r, client_w, fault, head)
             return
@@ -267,14 +270,14 @@ class FaultProxy:
             for writer in pair:
                 writer.transport.abort()
 
-    @staticmethod
-    async def _relay_answer(upstream: asyncio.StreamReader, client: asyncio.StreamWriter, head_only: bool,
+    async def _relay_answer(self, upstream: asyncio.StreamReader, client: asyncio.StreamWriter, head_only: bool,
                             served: Callable[[], None]) -> None:
         """Pass one answer down (interim ``1xx`` heads too), calling ``served()`` just before its last bytes go out
         (known by its Content-Length; an answer without one goes on until the server closes)."""
         while True:
             head = await upstream.readuntil(b"\r\n\r\n")
             status = int(head.split(b" ", 2)[1])
+            self.moved["down"] += len(head)
             if status >= 200:
                 break
             client.write(head)
@@ -288,6 +291,7 @@ class FaultProxy:
             data = await upstream.read(CHUNK if left is None else min(CHUNK, left))
             if not data:
                 break
+            self.moved["down"] += len(data)
             left = None if left is None else left - len(data)
             if left == 0:
                 served()

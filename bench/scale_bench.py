@@ -1,0 +1,172 @@
+"""Restores at cluster scale: a tensor state saved as S shards, loaded by N ranks (gloo processes on this host), each
+shard by R = N / S of them, with ``group=`` (each byte from storage once, shared over the group) and without (every
+rank alone), through a proxy in front of the S3 gateway that counts what reaches the store.
+
+    python -m bench.scale_bench --size 512MiB --ranks 8 --replicas 1 2 4 8 [--endpoint URL] [--out DIR]
+
+Per run: bytes and requests that reached the store (and the listings among them), wall time (from a barrier to the
+slowest rank's loaded state), the largest peak RSS of a rank, every rank's tensors checked against the saved ones.
+Every request reaches the gateway on a connection of its own (that is how the proxy counts them), in both modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from fastckpt.checkpoint import InProcessBarrier  # noqa: E402
+from fastckpt.config import TransferConfig, parse_size  # noqa: E402
+from harness.proxy import FaultProxy  # noqa: E402
+
+MiB = 1 << 20
+
+
+def digest_of(tensor: Any) -> str:
+    import torch
+
+    return hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def save_shards(uri: str, size: int, shards: int) -> list[str]:
+    """``size`` bytes of float32 state saved as ``shards`` ranks' tensor files of checkpoint ``uri`` (committed);
+    the digest of each shard's tensor."""
+    import torch
+
+    import fastckpt.torch as ft
+
+    barrier, digests = InProcessBarrier(), [""] * shards
+
+    def one(rank: int) -> None:
+        tensor = torch.empty(size // shards // 4).uniform_(generator=torch.Generator().manual_seed(rank))
+        digests[rank] = digest_of(tensor)
+        ft.save({"w": tensor}, uri, rank=rank, world_size=shards, barrier=barrier, attempt="scale")
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(shards)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return digests
+
+
+def rank_main(rank: int, spec: dict[str, Any]) -> None:
+    """One rank: load shard ``rank % shards`` after a barrier; record time, RSS and whether it came back exact."""
+    import torch.distributed as dist
+
+    import fastckpt.torch as ft
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=spec["ranks"], timeout=timedelta(seconds=600))
+    shard = rank % spec["shards"]
+    dist.barrier()
+    started = time.monotonic()
+    state = ft.load(spec["uri"], rank=shard, group=dist.group.WORLD if spec["group"] else None,
+                    config=TransferConfig.from_env())
+    seconds = time.monotonic() - started
+    record = {"seconds": seconds, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+              "exact": digest_of(state["w"]) == spec["digests"][shard]}
+    with open(os.path.join(spec["out"], f"rank-{rank}.json"), "w") as f:
+        json.dump(record, f)
+    dist.destroy_process_group()
+
+
+def launch(spec: dict[str, Any]) -> None:
+    """The ranks of one run, forked from a process that has imported torch once."""
+    import torch  # noqa: F401  (imported before the fork)
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=rank_main, args=(r, spec)) for r in range(spec["ranks"])]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+
+
+def restore(endpoint: str, uri: str, ranks: int, shards: int, digests: list[str], group: bool) -> dict[str, Any]:
+    """One run through a counting proxy: what reached the store, the ranks' records summed up."""
+    with FaultProxy(int(endpoint.rsplit(":", 1)[1])) as proxy, tempfile.TemporaryDirectory() as out:
+        proxy.throttle(1 << 30)  # never throttles: each request on a connection of its own, counted
+        spec = {"uri": uri.replace(endpoint, proxy.url), "ranks": ranks, "shards": shards, "digests": digests,
+                "group": group, "out": out, "port": _free_port()}
+        subprocess.run([sys.executable, "-m", "bench.scale_bench", "--launch", json.dumps(spec)], cwd=ROOT,
+                       check=True)
+        records = [json.load(open(os.path.join(out, f"rank-{r}.json"))) for r in range(ranks)]
+        return {"group": group, "store_bytes": proxy.moved["down"], "requests": len(proxy.requests),
+                "lists": sum("list-type=" in line for line in proxy.requests),
+                "wall_s": max(r["seconds"] for r in records), "rss_mib": max(r["rss_mib"] for r in records),
+                "exact": all(r["exact"] for r in records)}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="512MiB", help="the whole state, over all shards")
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--replicas", type=int, nargs="*", default=[1, 2, 4, 8])
+    parser.add_argument("--endpoint", help="an S3 endpoint to use instead of starting the JuiceFS gateway")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    parser.add_argument("--launch", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.launch:
+        launch(json.loads(args.launch))
+        return
+    from bench.juicefs import JuiceFSGateway
+
+    size = parse_size(args.size)
+    gateway = None if args.endpoint else JuiceFSGateway(buckets=("bench",)).start()
+    endpoint = args.endpoint or gateway.endpoint  # type: ignore[union-attr]
+    if gateway is not None:
+        os.environ.update(gateway.env)
+    os.environ["FASTCKPT_S3_IF_ABSENT"] = "best-effort"  # the gateway ignores If-None-Match
+    rows = []
+    try:
+        for replicas in args.replicas:
+            shards = args.ranks // replicas
+            uri = f"s3://bench/scale-{os.getpid()}-{shards}?endpoint_override={endpoint}"
+            digests = save_shards(uri, size, shards)
+            for group in (True, False):
+                row = {"shards": shards, "replicas": replicas, **restore(endpoint, uri, args.ranks, shards, digests,
+                                                                          group)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+    print(f"\n{args.ranks} ranks, {args.size} of state, S3 gateway on 127.0.0.1\n")
+    print("| shards | replicas | `group=` | from the store (x state) | requests | LISTs | wall s | peak RSS MiB "
+          "| exact |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shards']} | {r['replicas']} | {'yes' if r['group'] else 'no'} | "
+              f"{r['store_bytes'] / MiB:.0f} MiB ({r['store_bytes'] / size:.2f}x) | {r['requests']} | {r['lists']} | "
+              f"{r['wall_s']:.2f} | {r['rss_mib']:.0f} | {r['exact']} |")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"scale-{time.strftime('%Y%m%dT%H%M%S')}.json")
+    with open(path, "w") as f:
+        json.dump({"size": size, "ranks": args.ranks, "rows": rows}, f, indent=1)
+    print(f"\nresults: {path}")
+
+
+if __name__ == "__main__":
+    main()
