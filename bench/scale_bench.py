@@ -125,6 +125,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--replicas", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--endpoint", help="an S3 endpoint to use instead of starting the JuiceFS gateway")
+    parser.add_argument("--bucket", default="bench", help="the bucket (at --endpoint) the shards are saved in")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     parser.add_argument("--launch", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -143,7 +144,7 @@ def main() -> None:
     try:
         for replicas in args.replicas:
             shards = args.ranks // replicas
-            uri = f"s3://bench/scale-{os.getpid()}-{shards}?endpoint_override={endpoint}"
+            uri = f"s3://{args.bucket}/scale-{os.getpid()}-{shards}?endpoint_override={endpoint}"
             digests = save_shards(uri, size, shards)
             for group in (True, False):
                 row = {"shards": shards, "replicas": replicas, **restore(endpoint, uri, args.ranks, shards, digests,

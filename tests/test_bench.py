@@ -224,3 +224,24 @@ def test_state_bench_refuses_cuda_without_a_gpu() -> None:
 
     with pytest.raises(SystemExit, match="--device cuda needs a CUDA GPU"):
         state_bench.main(["--device", "cuda"])
+
+
+def test_scale_bench_counts_what_reaches_the_store(tmp_path: Path, moto_server) -> None:
+    """The scale benchmark at a small size against moto: every rank exact, and with ``group=`` the store serves the
+    state once whatever the replicas, without it once per replica."""
+    import subprocess
+    import sys
+
+    from .servers.s3 import BUCKET
+
+    run = subprocess.run([sys.executable, "-m", "bench.scale_bench", "--size", "8MiB", "--ranks", "2", "--replicas",
+                          "1", "2", "--endpoint", moto_server.endpoint, "--bucket", BUCKET, "--out", str(tmp_path)],
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = json.loads(next(tmp_path.glob("scale-*.json")).read_text())["rows"]
+    assert [(r["replicas"], r["group"]) for r in rows] == [(1, True), (1, False), (2, True), (2, False)]
+    assert all(r["exact"] for r in rows)
+    size = 8 << 20
+    for r in rows:
+        expected = 1 if r["group"] else r["replicas"]
+        assert expected * size <= r["store_bytes"] <= 1.05 * expected * size, r
