@@ -26,14 +26,15 @@ SIZES = {"model-00001.safetensors": 3 << 20, "model-00002.safetensors": (2 << 20
          "config.json": 300}
 
 
-def job(tmp_path: Path, uri: str, *, group: bool = True, die: int | None = None, mode: str = "download"
-        ) -> list[dict]:
+def job(tmp_path: Path, uri: str, *, group: bool = True, die: int | None = None, unreadable: int | None = None,
+        mode: str = "download") -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / f"out-{os.urandom(3).hex()}"
     out.mkdir()
-    spec = {"uri": uri, "world": WORLD, "port": port, "out": str(out), "group": group, "die": die, "mode": mode}
+    spec = {"uri": uri, "world": WORLD, "port": port, "out": str(out), "group": group, "die": die,
+            "unreadable": unreadable, "mode": mode}
     run = subprocess.run([sys.executable, "-m", "tests.ranks.group_job", json.dumps(spec)], cwd=REPO,
                          capture_output=True, text=True, timeout=200)
     records = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
@@ -90,6 +91,20 @@ def test_a_failure_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
     assert len(errors) == 1 and not any(r["ok"] for r in records), errors
     assert "digest mismatch" in errors.pop()
     assert not any("model-00002.safetensors" in r["files"] for r in records)
+
+
+def test_a_file_unreadable_mid_exchange_fails_every_rank_in_step(tmp_path: Path) -> None:
+    """The owner of a file cannot read it back while sending it: it keeps taking part in every broadcast, so the
+    ranks stay in step and all of them fail, soon, with one error naming that rank (its own, or a receiver's
+    mismatch on what came from it)."""
+    uri = f"file://{tmp_path}/store/step-1"
+    committed(uri, tmp_path)
+    records = job(tmp_path, uri, unreadable=1)
+    errors = {r["error"] for r in records}
+    assert len(records) == WORLD and len(errors) == 1 and not any(r["ok"] for r in records), errors
+    error = errors.pop()
+    assert "rank 1" in error and "model-00002.safetensors" in error, error
+    assert all(r["seconds"] < 60 for r in records)
 
 
 def test_a_rank_that_dies_fails_the_others_in_bounded_time(tmp_path: Path) -> None:

@@ -5,15 +5,25 @@ first rank's failure raised on every rank."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
 from .barrier_torch import gloo_group
 
 T = TypeVar("T")
+CHUNK = 16 << 20
+"""Bytes sent between ranks at once: each rank holds one such buffer (``chunk_buffer``), whatever the size of what
+they share."""
+
+
+def chunk_buffer() -> tuple[memoryview, torch.Tensor]:
+    """One ``CHUNK``-byte buffer, as a view to read and write and as the tensor the collectives send and receive."""
+    buf = bytearray(CHUNK)
+    return memoryview(buf), torch.frombuffer(buf, dtype=torch.uint8)
 
 
 class GroupCall:
@@ -54,6 +64,10 @@ class GroupCall:
 
     async def agree(self, error: str | None) -> None:
         """Every rank tells how its part went; the first failure is raised on every rank, in the same words."""
-        failed = next(((r, e) for r, e in enumerate(await self.gather(error)) if e), None)
+        self.raise_first(await self.gather(error))
+
+    def raise_first(self, errors: Sequence[str | None]) -> None:
+        """The first failure among ``errors`` (by rank, the same list on every rank: gathered or shared), raised."""
+        failed = next(((r, e) for r, e in enumerate(errors) if e), None)
         if failed is not None:
             raise CheckpointError(f"{self.what} failed on rank {failed[0]}: {failed[1]}")

@@ -15,7 +15,6 @@ import heapq
 import os
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..config import TransferConfig
@@ -29,11 +28,8 @@ from ..fileio import read_exact, write_at
 from ..integrity import ChunkHasher, FileDigest, combine
 from ..stores.base import Store
 from ..uri import StorageURI
-from .group import GroupCall
+from .group import CHUNK, GroupCall, chunk_buffer
 from .reader import corrupt_error, load
-
-CHUNK = 16 << 20
-"""Bytes sent over the group at once: each rank holds one such buffer, whatever the checkpoint's size."""
 
 Planned = tuple[str, int, int, str, int]
 """(name, size, chunk size, digest, owner rank) of one file."""
@@ -51,7 +47,7 @@ async def download_in_group(store: Store, base: StorageURI, cfg: TransferConfig,
         except Exception as exc:  # every rank raises it, once they have it
             plan = {"error": f"{type(exc).__name__}: {exc}"}
     plan = await call.share(plan)
-    await call.agree(plan.get("error"))
+    call.raise_first([plan.get("error")])  # rank 0's, known to every rank now
     files: list[Planned] = [tuple(f) for f in plan["files"]]  # type: ignore[misc]
     paths = dict(zip([f[0] for f in files], paths_below(dst, [f[0] for f in files]), strict=True))
     mine = [f for f in files if f[4] == call.rank]
@@ -96,9 +92,10 @@ async def _plan(store: Store, base: StorageURI, allow_uncommitted: bool, world: 
 def _exchange(call: GroupCall, files: list[Planned], paths: dict[str, str], fsync: bool
               ) -> dict[str, list[bytes]] | str:
     """On a worker thread: each file sent by its owner to every other rank, a chunk at a time; the chunk digests of
-    what this rank received, or what went wrong here (the rank goes on taking part, so no collective hangs)."""
-    buf = bytearray(CHUNK)
-    view, tensor = memoryview(buf), torch.frombuffer(buf, dtype=torch.uint8)
+    what this rank received, or what went wrong here. A rank whose file fails it goes on taking part in every
+    broadcast (an owner sending what its buffer holds, a receiver no longer writing), so no collective falls out of
+    step; the caller's ``agree`` then fails every rank."""
+    view, tensor = chunk_buffer()
     dirs: set[str] = set()
     received: dict[str, list[bytes]] = {}
     error: str | None = None
@@ -115,28 +112,39 @@ def _exchange(call: GroupCall, files: list[Planned], paths: dict[str, str], fsyn
         try:
             for offset in range(0, size, CHUNK):
                 piece = view[:min(CHUNK, size - offset)]
-                if mine and fd >= 0:
-                    read_exact(fd, offset, piece)
+                try:
+                    if mine and fd >= 0:
+                        read_exact(fd, offset, piece)
+                except (OSError, EOFError) as exc:
+                    fd, error = _close(fd), error or f"{name}: {exc}"
                 dist.broadcast(tensor[:len(piece)], src=call.global_rank(owner), group=call.gloo)
-                if not mine and fd >= 0:
-                    write_at(fd, offset, piece)
-                    hasher.update(piece)
+                try:
+                    if not mine and fd >= 0:
+                        write_at(fd, offset, piece)
+                        hasher.update(piece)
+                except OSError as exc:
+                    fd, error = _close(fd), error or f"{name}: {exc}"
             if not mine and fd >= 0:
                 got = hasher.finish()
                 if digest and combine(got) != digest:
-                    raise IntegrityError(f"{name}: digest mismatch after it came from rank {owner}")
+                    raise IntegrityError(f"digest mismatch after it came from rank {owner}")
                 if fsync:
                     os.fsync(fd)
-                os.close(fd)
-                fd = -1
+                fd = _close(fd)
                 os.replace(tmp, path)
                 received[name] = got
-        except (OSError, EOFError) as exc:
+        except OSError as exc:
             error = error or f"{name}: {exc}"
         finally:
-            if fd >= 0:
-                os.close(fd)
+            _close(fd)
             if tmp and name not in received:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
     return error if error is not None else received
+
+
+def _close(fd: int) -> int:
+    """Close ``fd`` when it is open; -1."""
+    if fd >= 0:
+        os.close(fd)
+    return -1

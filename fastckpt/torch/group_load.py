@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.group import GroupCall
+from ..checkpoint.group import CHUNK, GroupCall, chunk_buffer
 from ..checkpoint.reader import open_checkpoint_async
 from ..config import TransferConfig
 from ..engine.layout import Layout, read_layout
@@ -25,11 +25,8 @@ from ..errors import CheckpointError, IntegrityError
 from ..integrity import ChunkHasher, FileDigest
 from ..stores.base import Store
 from ..uri import StorageURI
-from .format import header_length, parse_header, unflatten
-from .load import HEAD_READ, Target, destinations, file_layout, rank_entry
-
-CHUNK = 16 << 20
-"""Bytes sent between two ranks at once: each rank holds one such buffer, whatever the state's size."""
+from .format import parse_header, unflatten
+from .load import Target, destinations, file_layout, header_bytes, rank_entry
 
 Range = tuple[int, int, int]
 """(start, end, owner rank) of a part of one file."""
@@ -57,7 +54,7 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
         except Exception as exc:
             plan = {"error": f"{type(exc).__name__}: {exc}"}
     plan = await call.share(plan)
-    await call.agree(plan.get("error"))
+    call.raise_first([plan.get("error")])  # rank 0's, known to every rank now
     files = {n: FileDigest(*v) for n, v in plan["files"].items()}
     name, error = "", None
     try:
@@ -73,7 +70,7 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
     try:
         raw, error = await _header(transfer, key, digest, what) if needers[0] == call.rank else (b"", None)
         headers = await call.gather((raw, error))
-        await call.agree(next((e for _, e in headers if e), None))
+        call.raise_first([e for _, e in headers])
         got: dict[int, list[bytes]] = {}
         error = None
         try:  # a state_dict that does not match fails here: recorded, so that every rank raises it
@@ -114,11 +111,7 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
 async def _header(transfer: Transfer, key: str, digest: FileDigest, what: str) -> tuple[bytes, str | None]:
     """The file's header bytes, read by the rank that fetches its first range (or what went wrong)."""
     try:
-        head = await transfer.store.get_range(key, 0, min(HEAD_READ, digest.size))
-        need = header_length(head, what)
-        if need > len(head):
-            head = await transfer.store.get_range(key, 0, need)
-        return bytes(head[:need]), None
+        return await header_bytes(transfer, key, digest.size, what), None
     except Exception as exc:
         return b"", f"{type(exc).__name__}: {exc}"
 
@@ -133,8 +126,7 @@ def _exchange(call: GroupCall, plans: dict[str, tuple[list[int], list[Range]]], 
               ) -> dict[int, list[bytes]]:
     """On a worker thread: every range sent by its owner to each other rank that loads its file, in the same order on
     every rank; the chunk digests of the ranges this rank received, by start."""
-    buf = bytearray(CHUNK)
-    view, tensor = memoryview(buf), torch.frombuffer(buf, dtype=torch.uint8)
+    view, tensor = chunk_buffer()
     received: dict[int, list[bytes]] = {}
     for loaders, parts in plans.values():
         for start, end, owner in parts:

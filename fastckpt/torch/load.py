@@ -77,11 +77,7 @@ async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: s
         key, what = ckpt.file_key(name), f"{base.raw}/{name}"
         transfer = Transfer(store, cfg)
         try:
-            head = await transfer.store.get_range(key, 0, min(HEAD_READ, digest.size))
-            need = header_length(head, what)
-            if need > len(head):
-                head = await transfer.store.get_range(key, 0, need)
-            header = parse_header(head[:need], digest.size, what)
+            header = parse_header(await header_bytes(transfer, key, digest.size, what), digest.size, what)
             if header.size != digest.size:
                 raise CheckpointError(f"{what}: header describes {header.size} bytes, the manifest {digest.size}")
             targets = destinations(header, state_dict, torch.device(device or "cpu"), what)
@@ -97,6 +93,15 @@ async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: s
         if t.bounce is not None:
             t.tensor.copy_(t.bounce)
     return unflatten(header.skeleton, {t.entry.name: t.tensor for t in targets}, what)
+
+
+async def header_bytes(transfer: Transfer, key: str, size: int, what: str) -> bytes:
+    """The header of tensor file ``key`` (``size`` bytes): its first ``HEAD_READ`` bytes, and more when it is longer."""
+    head = await transfer.store.get_range(key, 0, min(HEAD_READ, size))
+    need = header_length(head, what)
+    if need > len(head):
+        head = await transfer.store.get_range(key, 0, need)
+    return bytes(head[:need])
 
 
 def rank_entry(saved: int, files: Mapping[str, FileDigest | None], base: StorageURI, rank: int | None,

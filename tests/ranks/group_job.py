@@ -1,7 +1,8 @@
 """A gloo job that downloads one checkpoint on every rank: ``python -m tests.ranks.group_job SPEC_JSON``.
 
 Spec keys: uri, world, port, out, group (share the download over the process group, else every rank alone), die
-(a rank that exits when the exchange starts, or null), mode (``download``, the default: each rank downloads to
+(a rank that exits when the exchange starts, or null), unreadable (a rank whose reads of its own files fail during
+the exchange, or null), mode (``download``, the default: each rank downloads to
 ``{out}/rank-N/``; ``load``: each rank loads stored rank 0's tensor state with ``fastckpt.torch.load``). Each rank
 records ``{out}/rank-N.json``: ``{"ok": ..., "error": ..., "files": {name or tensor key: sha256}, "seconds": ...}``.
 """
@@ -33,6 +34,11 @@ def rank_main(rank: int, spec: dict) -> None:
             os._exit(9)
 
         group_download._exchange = die  # type: ignore[assignment]
+    if spec.get("unreadable") == rank:
+        def unreadable(*_: object) -> None:
+            raise OSError(5, "Input/output error (injected)")
+
+        group_download.read_exact = unreadable  # type: ignore[assignment]
     dst = os.path.join(spec["out"], f"rank-{rank}")
     group = dist.group.WORLD if spec["group"] else None
     config = TransferConfig(part_size=1 << 20, max_in_flight=4, retries=2, retry_for=0)
