@@ -65,13 +65,18 @@ class GCSStore(NamedUploadStore):
     async def check_compose_if_absent(self, key: str) -> None:
         """Make a create-if-absent compose of ``key`` safe (``stores.conditional``): return to compose with
         ``ifGenerationMatch=0`` (or, in best-effort mode, when a HEAD found ``key`` absent); raise otherwise."""
-        spare = f"{key.rsplit('/', 1)[0] + '/' if '/' in key else ''}{PARTS_DIR}/probe.{secrets.token_hex(8)}/0"
         endpoint = self.options.endpoint
         await self.compose_if_absent.check(
             endpoint=None if endpoint == DEFAULT_ENDPOINT else endpoint, shown=endpoint, bucket=self.bucket,
-            where=self.client.url(key), head=lambda: self.head(key), probe=lambda: probe(
-                lambda cond: self.client.compose(spare, [spare], if_absent=True) if cond else self.put(spare, b""),
-                lambda: self.delete(spare)))
+            where=self.client.url(key), head=lambda: self.head(key), probe=lambda: self._probe(key))
+
+    async def _probe(self, key: str) -> bool:
+        """Whether the server refuses a compose onto an existing object with ``ifGenerationMatch=0``
+        (``conditional.probe``, beside ``key``)."""
+        spare = f"{key.rsplit('/', 1)[0] + '/' if '/' in key else ''}{PARTS_DIR}/probe.{secrets.token_hex(8)}/0"
+        return await probe(
+            lambda cond: self.client.compose(spare, [spare], if_absent=True) if cond else self.put(spare, b""),
+            lambda: self.delete(spare))
 
     async def put(
         self, key: str, data: Buffer, *, if_absent: bool = False, metadata: dict[str, str] | None = None

@@ -125,20 +125,23 @@ class S3Store(DigestRecords, ReceivingStore):
         ``If-None-Match: *`` where the server honours it; in best-effort mode on servers that ignore it,
         a HEAD first (AlreadyExistsError when present; racy); otherwise StoreError.
         """
+        honoured = await self.if_absent.check(
+            endpoint=self.options.endpoint_url, shown=self.options.shown, bucket=self.bucket,
+            where=self.client.errors.where(key), head=lambda: self.head(key), probe=lambda: self._probe(key))
+        return {"If-None-Match": "*"} if honoured else {}
+
+    async def _probe(self, key: str) -> bool:
+        """Whether the server honours ``If-None-Match: *`` on a write (``conditional.probe``, beside ``key``)."""
         spare = posixpath.join(posixpath.dirname(key), f".fastckpt-probe-{secrets.token_hex(8)}")
-        call = self.client.call
 
         def unsupported(exc: StoreError) -> bool:
             return exc.status == 501 or getattr(exc.__cause__, "response", {}).get("Error", {}).get(
                 "Code") in NO_CONDITIONAL
 
-        honoured = await self.if_absent.check(
-            endpoint=self.options.endpoint_url, shown=self.options.shown, bucket=self.bucket,
-            where=self.client.errors.where(key), head=lambda: self.head(key), probe=lambda: probe(
-                lambda cond: call("put_object", spare, if_absent=cond, Key=spare, Body=b"", ContentLength=0,
-                                  **({"IfNoneMatch": "*"} if cond else {})),
-                lambda: call("delete_object", spare, Key=spare), unsupported))
-        return {"If-None-Match": "*"} if honoured else {}
+        return await probe(
+            lambda cond: self.client.call("put_object", spare, if_absent=cond, Key=spare, Body=b"", ContentLength=0,
+                                          **({"IfNoneMatch": "*"} if cond else {})),
+            lambda: self.client.call("delete_object", spare, Key=spare), unsupported)
 
     async def delete(self, key: str) -> None:
         await self.delete_many([key])
