@@ -96,7 +96,7 @@ def summarise(mode: str, world: int, latency: float, ranks: list[dict[str, Any]]
 async def simulate(mode: str, world: int, latency: float, run: int) -> dict[str, Any]:
     bucket = f"commit-bench-{os.getpid()}-{mode}-{world}-{run}"
     uri = f"memory://{bucket}/ckpt"
-    inner = open_store(uri, CONFIG)
+    inner = open_store(uri, CONFIG, retry=False)  # each rank's writer retries, as in a real job: one layer
     barrier = StoreBarrier(timeout=600) if mode == "sim-store" else InProcessBarrier(timeout=600)
     with tempfile.NamedTemporaryFile() as f:
         f.write(os.urandom(FILE_SIZE))
@@ -139,7 +139,7 @@ def _proc_rank(mode: str, world: int, rank: int, latency: float, base: str, port
         f.write(os.urandom(FILE_SIZE))
 
     async def main() -> dict[str, Any]:
-        inner = open_store(f"file://{base}/store", CONFIG)
+        inner = open_store(f"file://{base}/store", CONFIG, retry=False)
         try:
             return await one_rank(f"file://{base}/store/ckpt", rank, world, barrier, CountingStore(inner, latency),
                                   src, lambda: asyncio.to_thread(sync.wait), f"run{run}")

@@ -100,3 +100,11 @@ async def store(store_uri: str):
     uri = parse_uri(store_uri)
     async with open_store(uri, small_config()) as s:
         yield s, uri
+
+
+@pytest.fixture(params=["memory", "local"])
+def fast_uri(request: pytest.FixtureRequest, tmp_path) -> str:
+    """A fresh base URI on the in-memory or the local store."""
+    if request.param == "memory":
+        return f"memory://ckpt-{os.urandom(4).hex()}/runs"
+    return f"file://{tmp_path}/runs"

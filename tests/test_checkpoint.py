@@ -51,18 +51,18 @@ def make_barrier(kind: str, timeout: float = 10.0):
 
 async def write_ranks(uri: str, tmp_path, *, contributors, barrier, attempt: str | None = "a1",
                       world: int = WORLD, fail: int | None = None, absent: tuple[int, ...] = (),
-                      names=None) -> list:
+                      names=None, stores=None) -> list:
     """Run ``world`` ranks as tasks; return each rank's CommitResult or exception.
 
     Contributing rank r writes ``names(r)`` (default one file and one nested file); rank ``fail``
-    raises inside its block; ranks in ``absent`` never show up.
+    raises inside its block; ranks in ``absent`` never show up; rank r writes through ``stores[r]`` when given.
     """
     name = parse_uri(uri).key.rsplit("/", 1)[-1]
     store = open_store(uri, small_config())  # one client for all ranks of this process
 
     async def rank(r: int):
         async with fastckpt.CheckpointWriter(uri, rank=r, world_size=world, barrier=barrier, attempt=attempt,
-                                             config=small_config(), store=store) as w:
+                                             config=small_config(), store=stores[r] if stores else store) as w:
             if r in contributors:
                 files = names(r) if names else [f"model-{r:05d}.safetensors", f"optim/rank_{r:02d}.pt"]
                 for i, fname in enumerate(files):
@@ -174,14 +174,6 @@ async def test_stale_files_of_dead_attempt_are_ignored(store_uri: str, tmp_path)
 
 
 # ----------------------------------------------------------------------------- protocol rules (memory, local)
-
-
-@pytest.fixture(params=["memory", "local"])
-def fast_uri(request: pytest.FixtureRequest, tmp_path) -> str:
-    """A fresh base URI on the in-memory or the local store."""
-    if request.param == "memory":
-        return f"memory://ckpt-{os.urandom(4).hex()}/runs"
-    return f"file://{tmp_path}/runs"
 
 
 async def test_exception_in_block_commits_nothing(fast_uri: str, tmp_path) -> None:

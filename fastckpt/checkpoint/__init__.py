@@ -7,7 +7,8 @@ are imported from their modules, so torch and ray stay optional.
 """
 
 from .attempt import attempt_from_env
-from .barrier import Barrier, BarrierError, BarrierTimeoutError, InProcessBarrier, Rendezvous, StoreBarrier
+from .barrier import Barrier, BarrierError, BarrierTimeoutError, InProcessBarrier, Rendezvous
+from .barrier_store import StoreBarrier
 from .catalog import CheckpointInfo, latest_async, list_checkpoints_async
 from .commit import CommitResult
 from .gc import GcReport, gc_async

@@ -7,31 +7,25 @@ One interface, two collective steps, rank 0 as the root:
 - ``broadcast(rv, tag, payload)``: the root announces a payload (the commit outcome); every rank
   returns it.
 
-Implementations here: ``StoreBarrier`` (default; through the checkpoint's own storage) and
-``InProcessBarrier`` (ranks as tasks or threads of one process). ``barrier_torch.TorchBarrier`` and
-``barrier_ray.RayBarrier`` live in their own modules so that torch and ray stay optional.
+Implementations here: ``InProcessBarrier`` (ranks as tasks or threads of one process) and ``HandedBarrier``;
+``barrier_store.StoreBarrier`` (the default: through the checkpoint's own storage), ``barrier_torch.TorchBarrier``
+and ``barrier_ray.RayBarrier`` live in their own modules (torch and ray stay optional).
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-import random
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import cast
 
 from ..config import TransferConfig
-from ..errors import CheckpointError, ObjectNotFoundError
+from ..errors import CheckpointError
 from ..stores.base import Store
 from ..tasks import gather_all
-from ..uri import join_key
-from .documents import read_object
-from .manifest import parse_rank_name, rank_key
-
-BROADCAST_NAME = "broadcast.json"
+from .manifest import rank_key
 
 
 class BarrierError(CheckpointError):
@@ -113,104 +107,14 @@ class Barrier(abc.ABC):
         """
         await self.broadcast(rv, tag, payload)
 
+    def group_size_for(self, world_size: int) -> int:
+        """Ranks per group object that ``gather`` stores for a world of ``world_size`` (0: none)."""
+        return 0
+
     def check_world(self, rv: Rendezvous) -> None:
         """Raise when ``rv``'s rank / world size cannot work with this barrier (hook for subclasses)."""
         if not 0 <= rv.rank < rv.world_size:
             raise ValueError(f"rank {rv.rank} is outside world size {rv.world_size}")
-
-
-class _Backoff:
-    """Poll delays: exponential with jitter, capped, never past the deadline."""
-
-    def __init__(self, first: float, cap: float, timeout: float) -> None:
-        self.delay, self.cap = first, cap
-        self.deadline = time.monotonic() + timeout
-
-    def expired(self) -> bool:
-        return time.monotonic() >= self.deadline
-
-    async def sleep(self) -> None:
-        left = self.deadline - time.monotonic()
-        await asyncio.sleep(max(0.0, min(self.delay * random.uniform(0.8, 1.2), left)))
-        self.delay = min(self.delay * 1.5, self.cap)
-
-
-class StoreBarrier(Barrier):
-    """Barrier through the checkpoint's storage: needs nothing but the store all ranks write to.
-
-    Each rank writes its payload to ``{prefix}/{tag}/rank-NNNNN.json`` (for the commit that is the
-    rank manifest itself); the root polls a listing of ``{prefix}/{tag}/`` with backoff, reads each
-    payload as it appears, and announces the outcome in ``{prefix}/{tag}/broadcast.json``, which the
-    other ranks poll. It cannot tell a dead run's objects from the current run's, so ranks must agree
-    on the attempt id beforehand (``attempt=`` or the environment).
-    """
-
-    stores_payloads = True
-    fresh = False
-
-    def __init__(self, timeout: float = 1800.0, poll_interval: float = 0.05, max_poll_interval: float = 1.0,
-                 read_concurrency: int = 64) -> None:
-        super().__init__(timeout)
-        self.poll_interval, self.max_poll_interval = poll_interval, max_poll_interval
-        self.read_concurrency = read_concurrency
-
-    async def gather(self, rv: Rendezvous, tag: str, payload: bytes) -> list[bytes] | None:
-        await rv.write(rank_key(rv.prefix, tag, rv.rank), payload)
-        if rv.rank != 0:
-            return None
-        got: dict[int, bytes] = {0: payload}
-        limit = asyncio.Semaphore(self.read_concurrency)
-        backoff = _Backoff(self.poll_interval, self.max_poll_interval, self.timeout)
-
-        async def read(rank: int, size: int) -> None:
-            key = rank_key(rv.prefix, tag, rank)
-            async with limit:
-                got[rank] = await rv.store.get_range(key, 0, size)
-
-        while True:
-            present = await self._arrived(rv, tag)
-            await gather_all(read(r, size) for r, size in present.items() if r not in got)
-            if len(got) == rv.world_size:
-                return [got[r] for r in range(rv.world_size)]
-            if backoff.expired():
-                missing = [r for r in range(rv.world_size) if r not in got]
-                raise BarrierTimeoutError(
-                    f"store barrier at {join_key(rv.prefix, tag)}: {describe_missing(missing, rv.world_size)} "
-                    f"within {self.timeout:g}s", missing)
-            await backoff.sleep()
-
-    async def _arrived(self, rv: Rendezvous, tag: str) -> dict[int, int]:
-        """{rank: payload size} of the payloads present under ``{prefix}/{tag}/``."""
-        base = join_key(rv.prefix, tag)
-
-        found = {}
-        async for meta in rv.store.list(base):
-            rank = parse_rank_name(meta.key.rsplit("/", 1)[-1])
-            if rank is not None and rank < rv.world_size and meta.key == rank_key(rv.prefix, tag, rank):
-                found[rank] = meta.size
-        return found
-
-    async def broadcast(self, rv: Rendezvous, tag: str, payload: bytes | None) -> bytes:
-        key = join_key(rv.prefix, tag, BROADCAST_NAME)
-        if rv.rank == 0:
-            if payload is None:
-                raise ValueError("the root must broadcast a payload")
-            await rv.store.put(key, payload)
-            return payload
-        backoff = _Backoff(self.poll_interval, self.max_poll_interval, 2 * self.timeout)
-        while True:
-            try:
-                return await read_object(rv.store, key)
-            except ObjectNotFoundError:
-                pass
-            if backoff.expired():
-                present = await self._arrived(rv, tag)
-                missing = [r for r in range(rv.world_size) if r not in present]
-                detail = describe_missing(missing, rv.world_size) if missing else "all ranks arrived"
-                raise BarrierTimeoutError(
-                    f"store barrier at {join_key(rv.prefix, tag)}: rank 0 announced no outcome within "
-                    f"{2 * self.timeout:g}s ({detail}; rank 0 may have died)", missing or [0])
-            await backoff.sleep()
 
 
 class _Slot:
@@ -331,8 +235,3 @@ class InProcessBarrier(Barrier):
             if slot.readers == rv.world_size - 1:
                 self._slots.pop(key, None)
             return cast(bytes, slot.result)
-
-
-def default_barrier() -> Barrier:
-    """The barrier used when none is given: through the store."""
-    return StoreBarrier()

@@ -14,15 +14,24 @@ from typing import cast
 from ..config import TransferConfig
 from ..errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
 from ..integrity import FileDigest
-from ..stores.base import Store
+from ..stores.base import ObjectMeta, Store
 from ..tasks import gather_bounded
-from ..uri import StorageURI
+from ..uri import StorageURI, join_key
 from .barrier import Barrier, BarrierError, BarrierTimeoutError, Rendezvous
-from .documents import read_object
-from .manifest import CommitMarker, FileEntry, RankManifest, build_marker, marker_key, meta_prefix, rank_key
+from .documents import read_object, read_small
+from .manifest import (
+    REPLACED_DIR,
+    CommitMarker,
+    FileEntry,
+    RankManifest,
+    build_marker,
+    marker_key,
+    meta_prefix,
+    rank_key,
+)
 
 CHECK_CONCURRENCY = 64
-"""HEAD requests in flight while rank 0 checks the files before committing."""
+"""Requests in flight while rank 0 checks the files before committing."""
 
 log = logging.getLogger("fastckpt")
 
@@ -134,23 +143,41 @@ class Commit(abc.ABC):
             await self._refuse_committed(f"manifest {key}")
             await store.put(key, data)
 
-    async def _check_files(self, payloads: list[bytes]) -> None:
-        """Root: every file named by the manifests still holds what its rank recorded (CheckpointError if not)."""
-        store = self._rv.store
-        manifests = [RankManifest.decode(p, f"manifest of rank {r}") for r, p in enumerate(payloads)]
-        entries = [(m.rank, e) for m in manifests for e in m.files]
+    async def _check_files(self, manifests: list[RankManifest]) -> None:
+        """Root: every file the manifests name is still there as its rank wrote it (CheckpointError if not).
 
-        async def check(rank: int, entry: FileEntry) -> str | None:
-            try:
-                meta = await store.head(self.uri.join(entry.name))
-            except ObjectNotFoundError:
+        One listing of the checkpoint shows each file's size (and its digest, where a listing carries metadata);
+        the files another writer noted as replaced (its notes in ``.fastckpt/.replaced/``) are read back one by
+        one, so a file taken over by another writer fails the commit even when the sizes agree."""
+        store, meta = self._rv.store, meta_prefix(self.uri.key)
+        entries = {self.uri.join(e.name): (m.rank, e) for m in manifests for e in m.files}
+        listed: dict[str, ObjectMeta] = {}
+        notes: list[str] = []
+        async for obj in store.list(self.uri.key):
+            if obj.key in entries:
+                listed[obj.key] = obj
+            elif obj.key.startswith(join_key(meta, REPLACED_DIR) + "/"):
+                notes.append(obj.key)
+        replaced: set[str] = set()
+        for named in await gather_bounded([_note_keys(store, k) for k in notes], CHECK_CONCURRENCY):
+            replaced.update(listed if named is None else named)
+
+        async def check(key: str) -> str | None:
+            rank, entry = entries[key]
+            found = listed.get(key)
+            if found is None:
                 return f"{entry.name!r} (written by rank {rank}) is gone"
-            found = FileDigest.from_metadata(meta.size, meta.metadata)
-            if meta.size != entry.digest.size or found not in (None, entry.digest):
+            if key in replaced:
+                try:
+                    found = await store.head(key)
+                except ObjectNotFoundError:
+                    return f"{entry.name!r} (written by rank {rank}) is gone"
+            digest = FileDigest.from_metadata(found.size, found.metadata)
+            if found.size != entry.digest.size or digest not in (None, entry.digest):
                 return f"{entry.name!r} no longer holds what rank {rank} wrote (replaced by another writer)"
             return None
 
-        problems = [p for p in await gather_bounded((check(r, e) for r, e in entries), CHECK_CONCURRENCY) if p]
+        problems = [p for p in await gather_bounded((check(k) for k in entries), CHECK_CONCURRENCY) if p]
         if problems:
             raise CheckpointError(f"checkpoint {self.uri.raw} not committed: " + "; ".join(problems[:5]))
 
@@ -170,8 +197,9 @@ class Commit(abc.ABC):
         """Root: check the manifests and create the marker. Returns the outcome every rank receives,
         and the error to raise here after announcing it."""
         try:
-            marker = build_marker(payloads, self.attempt, self.world_size, f"checkpoint {self.uri.raw}")
-            await self._check_files(payloads)
+            marker, manifests = build_marker(payloads, self.attempt, self.world_size, f"checkpoint {self.uri.raw}",
+                                             self.barrier.group_size_for(self.world_size))
+            await self._check_files(manifests)
             await self._create_marker(marker)
         except CheckpointError as exc:
             return {"ok": False, "error": str(exc)}, None
@@ -216,3 +244,15 @@ class Commit(abc.ABC):
                 await self.barrier.broadcast(self._rv, self.attempt, json.dumps({"ok": False, "error": why}).encode())
         except Exception as err:  # the caller's exception is what propagates
             log.warning("rank %d could not report its failure to the barrier of %s: %s", self.rank, self.uri.raw, err)
+
+
+
+async def _note_keys(store: Store, key: str) -> list[str] | None:
+    """The keys a note of replaced keys names: none when it is gone (gc), None (any key) when it is unreadable."""
+    try:
+        keys = json.loads(await read_small(store, key))
+    except ObjectNotFoundError:
+        return []
+    except ValueError:
+        return None
+    return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else None

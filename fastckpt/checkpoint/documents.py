@@ -17,3 +17,10 @@ async def read_object(store: Store, key: str) -> bytes:
         raise CheckpointError(f"{key} is {meta.size} bytes, over the limit of {MAX_DOCUMENT} bytes for a fastckpt "
                               "manifest or marker; refusing to read it")
     return await store.get_range(key, 0, meta.size)
+
+
+async def read_small(store: Store, key: str, first: int = 1 << 20) -> bytes:
+    """``read_object`` in one request when the object is under ``first`` bytes (a ranged read from its start, which
+    stops at its end), as every barrier payload is; larger ones are read as ``read_object`` reads them."""
+    data = await store.get_range(key, 0, first)
+    return data if len(data) < first else await read_object(store, key)

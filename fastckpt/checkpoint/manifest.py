@@ -4,10 +4,12 @@ Layout of one checkpoint (DESIGN.md, "The commit protocol")::
 
     {checkpoint}/...data files of any ranks...
     {checkpoint}/.fastckpt/{attempt}/rank-00003.json   per-rank manifest
+    {checkpoint}/.fastckpt/{attempt}/group-00016.json  ranks 16.. of a large world, their manifests in one object
     {checkpoint}/.fastckpt/COMMITTED                   commit marker
 
 The marker names the attempt and the XXH3-128 digest of every rank manifest of that attempt, so a
-reader trusts exactly those manifests and nothing a dead attempt left behind.
+reader trusts exactly those manifests and nothing a dead attempt left behind. When it records a
+``group_size``, readers may take the manifests from the group objects (one read per group, not per rank).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -44,6 +47,21 @@ def marker_key(checkpoint_key: str) -> str:
 def rank_key(meta: str, attempt: str, rank: int) -> str:
     """Key of ``rank``'s manifest of ``attempt`` below the metadata directory ``meta``."""
     return join_key(meta, attempt, f"rank-{rank:05d}.json")
+
+
+REPLACED_DIR = ".replaced"
+"""Below the metadata directory: notes of the keys a writer replaced (left by an uncommitted attempt), so that a
+commit re-checks exactly those of its files (a dot: never an attempt id)."""
+
+
+def replaced_note_key(meta: str) -> str:
+    """Key of a new note of replaced keys below the metadata directory ``meta``."""
+    return join_key(meta, REPLACED_DIR, f"{uuid.uuid4().hex}.json")
+
+
+def group_key(meta: str, attempt: str, first: int) -> str:
+    """Key of the group object of ``attempt`` holding the manifests of the ranks from ``first``."""
+    return join_key(meta, attempt, f"group-{first:05d}.json")
 
 
 def parse_rank_name(name: str) -> int | None:
@@ -136,14 +154,19 @@ class CommitMarker:
     files: int
     bytes: int
     committed_at: float = field(default_factory=time.time)
+    group_size: int = 0
+    """Ranks per group object (0: no group objects, each manifest is read on its own)."""
 
     def encode(self) -> bytes:
         """Canonical JSON bytes."""
-        return json.dumps({
+        doc: dict[str, object] = {
             "format": FORMAT_VERSION, "kind": "commit", "attempt": self.attempt, "world_size": self.world_size,
             "digest_algo": DIGEST_ALGO, "manifests": list(self.manifests), "files": self.files,
             "bytes": self.bytes, "committed_at": self.committed_at,
-        }, sort_keys=True, separators=(",", ":")).encode()
+        }
+        if self.group_size:
+            doc["group_size"] = self.group_size
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, data: bytes, what: str) -> CommitMarker:
@@ -152,13 +175,39 @@ class CommitMarker:
         try:
             marker = cls(check_attempt(str(doc["attempt"])), int(doc["world_size"]),
                          tuple(str(d) for d in doc["manifests"]), int(doc["files"]), int(doc["bytes"]),
-                         float(doc["committed_at"]))
+                         float(doc["committed_at"]), int(doc.get("group_size", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{what}: malformed commit marker ({exc!r})") from None
         if len(marker.manifests) != marker.world_size:
             raise CheckpointError(f"{what}: marker lists {len(marker.manifests)} manifests for "
                                   f"world size {marker.world_size}")
+        if marker.group_size < 0:
+            raise CheckpointError(f"{what}: negative group size {marker.group_size}")
         return marker
+
+
+def encode_group(attempt: str, first: int, payloads: list[bytes | None]) -> bytes:
+    """The group object of ranks ``first``.. of ``attempt``: each rank's manifest bytes as they are (None for a
+    rank that never arrived), so that the marker's digests check them."""
+    return json.dumps({
+        "format": FORMAT_VERSION, "kind": "rank-group", "digest_algo": DIGEST_ALGO, "attempt": attempt,
+        "first": first, "manifests": [None if p is None else p.decode() for p in payloads],
+    }, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_group(data: bytes, what: str, attempt: str, first: int) -> list[bytes | None]:
+    """The manifests (bytes, None where missing) of a group object; CheckpointError naming ``what`` when it is
+    malformed or not the group of ranks ``first``.. of ``attempt``."""
+    doc = _load_json(data, what, "rank-group")
+    try:
+        found = (str(doc["attempt"]), int(doc["first"]))
+        payloads = [None if p is None else str(p).encode() for p in doc["manifests"]]
+    except (KeyError, TypeError, ValueError, UnicodeEncodeError) as exc:
+        raise CheckpointError(f"{what}: malformed group object ({exc!r})") from None
+    if found != (attempt, first):
+        raise CheckpointError(f"{what}: group of ranks {found[1]}.. of attempt {found[0]!r}, expected ranks "
+                              f"{first}.. of {attempt!r}")
+    return payloads
 
 
 def _file_doc(entry: FileEntry) -> dict[str, object]:
@@ -193,8 +242,10 @@ def _load_json(data: bytes, what: str, kind: str) -> dict:
     return doc
 
 
-def build_marker(payloads: list[bytes], attempt: str, world_size: int, where: str) -> CommitMarker:
-    """The marker that commits the manifests ``payloads`` (index = rank) of ``attempt``.
+def build_marker(payloads: list[bytes], attempt: str, world_size: int, where: str, group_size: int = 0
+                 ) -> tuple[CommitMarker, list[RankManifest]]:
+    """The marker that commits the manifests ``payloads`` (index = rank) of ``attempt`` (stored in group objects of
+    ``group_size`` ranks as well, when not 0), and the manifests decoded.
 
     CheckpointError when a rank failed, belongs to another attempt or world size, or when two ranks
     wrote the same file name.
@@ -216,5 +267,6 @@ def build_marker(payloads: list[bytes], attempt: str, world_size: int, where: st
             owners.setdefault(f.name, rank)
     if clashes:
         raise CheckpointError(f"{where}: the same file was written by two ranks: " + ", ".join(clashes))
-    return CommitMarker(attempt, world_size, tuple(digest_of(p) for p in payloads),
-                        sum(len(m.files) for m in manifests), sum(m.bytes for m in manifests))
+    marker = CommitMarker(attempt, world_size, tuple(digest_of(p) for p in payloads),
+                          sum(len(m.files) for m in manifests), sum(m.bytes for m in manifests), group_size=group_size)
+    return marker, manifests

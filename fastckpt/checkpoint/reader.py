@@ -35,8 +35,19 @@ from .catalog import (
     uri_of,
     with_store,
 )
-from .documents import read_object
-from .manifest import META_DIR, CommitMarker, RankManifest, check_name, digest_of, marker_key, meta_prefix, rank_key
+from .documents import read_object, read_small
+from .manifest import (
+    META_DIR,
+    CommitMarker,
+    RankManifest,
+    check_name,
+    decode_group,
+    digest_of,
+    group_key,
+    marker_key,
+    meta_prefix,
+    rank_key,
+)
 
 
 @dataclass(frozen=True)
@@ -96,11 +107,13 @@ async def load(store: Store, base: StorageURI, allow_uncommitted: bool) -> Check
         info = CheckpointInfo(name, uri, CORRUPT, None, None, 0, 0, None)
         return Checkpoint(info, key, {}, (BadFile(f"{META_DIR}/COMMITTED", str(exc)),))
 
+    grouped = await _grouped_manifests(store, key, marker)
+
     async def manifest(rank: int) -> RankManifest | BadFile:
         mkey = rank_key(meta_prefix(key), marker.attempt, rank)
         rel = mkey[len(key) + 1:] if key else mkey
         try:
-            data = await read_object(store, mkey)
+            data = grouped[rank] if rank in grouped else await read_object(store, mkey)
         except ObjectNotFoundError:
             return BadFile(rel, "manifest named by the commit marker is missing")
         if digest_of(data) != marker.manifests[rank]:
@@ -126,6 +139,25 @@ async def load(store: Store, base: StorageURI, allow_uncommitted: bool) -> Check
     info = CheckpointInfo(name, uri, state, marker.attempt, marker.world_size, marker.files, marker.bytes,
                           marker.committed_at)
     return Checkpoint(info, key, files, problems, chunks)
+
+
+async def _grouped_manifests(store: Store, key: str, marker: CommitMarker) -> dict[int, bytes]:
+    """Where the marker records group objects, the manifests they hold that the marker's digests confirm (by rank);
+    each rank missing from them (a group object lost or damaged) is read from its own manifest instead."""
+    if not marker.group_size:
+        return {}
+
+    async def group(first: int) -> list[tuple[int, bytes]]:
+        gkey = group_key(meta_prefix(key), marker.attempt, first)
+        try:
+            payloads = decode_group(await read_small(store, gkey), gkey, marker.attempt, first)
+        except (ObjectNotFoundError, CheckpointError):
+            return []
+        return [(first + i, p) for i, p in enumerate(payloads)
+                if p is not None and first + i < marker.world_size and digest_of(p) == marker.manifests[first + i]]
+
+    firsts = range(0, marker.world_size, marker.group_size)
+    return dict(pair for found in await gather_bounded([group(f) for f in firsts], SCAN_CONCURRENCY) for pair in found)
 
 
 async def _load_uncommitted(store: Store, base: StorageURI) -> Checkpoint:

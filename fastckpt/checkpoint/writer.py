@@ -18,6 +18,7 @@ after its rank wrote it fails the commit, so the marker only ever names the byte
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,9 +38,10 @@ from ..stores.retry import retrying
 from ..threads import off_loop
 from ..uri import StorageURI, parse_uri
 from .attempt import ATTEMPT_TAG, attempt_from_env, new_attempt_id
-from .barrier import Barrier, default_barrier
+from .barrier import Barrier
+from .barrier_store import default_barrier
 from .commit import Commit, CommitResult
-from .manifest import FileEntry, check_attempt, check_name, meta_prefix, rank_key
+from .manifest import FileEntry, check_attempt, check_name, meta_prefix, rank_key, replaced_note_key
 
 log = logging.getLogger("fastckpt")
 
@@ -125,7 +127,9 @@ class CheckpointWriter(Commit):
         stale = [k for k in found if k not in kept]
         log.info("rank %d: %d file(s) of %s left by an uncommitted attempt: %d re-used, %d replaced", self.rank,
                  len(found), self.uri.raw, len(kept), len(stale))
-        await store.delete_many(stale)
+        if stale:  # noted first: a writer whose files these were checks them again before it commits
+            await store.put(replaced_note_key(meta_prefix(self.uri.key)), json.dumps(stale).encode())
+            await store.delete_many(stale)
         self._existing.difference_update(found)
         return kept
 

@@ -120,7 +120,8 @@ def run_rank(spec: dict, rank: int) -> None:
                                 world_size=spec["world_size"], timeout=timedelta(seconds=60))
         barrier = TorchBarrier(timeout=spec["timeout"])
     else:
-        barrier = StoreBarrier(timeout=spec["timeout"], poll_interval=0.02, max_poll_interval=0.2)
+        # groups of 4: two leaders in a world of 8, so the grouped barrier runs across processes
+        barrier = StoreBarrier(timeout=spec["timeout"], poll_interval=0.02, max_poll_interval=0.2, group_size=4)
     pause = spec.get("pause") or {}
     outcome: dict = {"rank": rank, "checkpoints": {}}
 
