@@ -2,7 +2,11 @@
 shard by R = N / S of them, with ``group=`` (each byte from storage once, shared over the group) and without (every
 rank alone), through a proxy in front of the S3 gateway that counts what reaches the store.
 
-    python -m bench.scale_bench --size 512MiB --ranks 8 --replicas 1 2 4 8 [--endpoint URL] [--out DIR]
+    python -m bench.scale_bench --size 512MiB --ranks 8 --replicas 1 2 4 8 [--api torch dcp] [--endpoint URL]
+
+``--api torch``: S ranks' files saved with ``fastckpt.torch.save``, loaded with ``fastckpt.torch.load(rank=r % S)``;
+``--api dcp``: one DCP checkpoint of S tensors (``shard{k}``) saved with the plugin's ``Writer``, each rank loading
+tensor ``shard{r % S}`` with ``dcp.load`` and the plugin's ``Reader``.
 
 Per run: bytes and requests that reached the store (and the listings among them), wall time (from a barrier to the
 slowest rank's loaded state), the largest peak RSS of a rank, every rank's tensors checked against the saved ones.
@@ -44,14 +48,13 @@ def digest_of(tensor: Any) -> str:
 def save_shards(uri: str, size: int, shards: int) -> list[str]:
     """``size`` bytes of float32 state saved as ``shards`` ranks' tensor files of checkpoint ``uri`` (committed);
     the digest of each shard's tensor."""
-    import torch
 
     import fastckpt.torch as ft
 
     barrier, digests = InProcessBarrier(), [""] * shards
 
     def one(rank: int) -> None:
-        tensor = torch.empty(size // shards // 4).uniform_(generator=torch.Generator().manual_seed(rank))
+        tensor = shard_tensor(rank, size, shards)
         digests[rank] = digest_of(tensor)
         ft.save({"w": tensor}, uri, rank=rank, world_size=shards, barrier=barrier, attempt="scale")
 
@@ -61,6 +64,35 @@ def save_shards(uri: str, size: int, shards: int) -> list[str]:
     for t in threads:
         t.join()
     return digests
+
+
+def shard_tensor(rank: int, size: int, shards: int) -> Any:
+    import torch
+
+    return torch.empty(size // shards // 4).uniform_(generator=torch.Generator().manual_seed(rank))
+
+
+def save_dcp(uri: str, size: int, shards: int) -> list[str]:
+    """``size`` bytes of float32 state as ``shards`` tensors of one DCP checkpoint at ``uri``; their digests."""
+    import torch.distributed.checkpoint as dcp
+
+    from fastckpt.torch.dcp import Writer
+
+    state = {f"shard{k}": shard_tensor(k, size, shards) for k in range(shards)}
+    dcp.save(state, storage_writer=Writer(uri), no_dist=True)
+    return [digest_of(state[f"shard{k}"]) for k in range(shards)]
+
+
+def load_dcp(uri: str, shard: int, numel: int, group: Any) -> Any:
+    """Tensor ``shard{shard}`` of the DCP checkpoint at ``uri``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fastckpt.torch.dcp import Reader
+
+    state = {f"shard{shard}": torch.empty(numel)}
+    dcp.load(state, storage_reader=Reader(uri, config=TransferConfig.from_env(), group=group))
+    return state[f"shard{shard}"]
 
 
 def rank_main(rank: int, spec: dict[str, Any]) -> None:
@@ -74,11 +106,14 @@ def rank_main(rank: int, spec: dict[str, Any]) -> None:
     shard = rank % spec["shards"]
     dist.barrier()
     started = time.monotonic()
-    state = ft.load(spec["uri"], rank=shard, group=dist.group.WORLD if spec["group"] else None,
-                    config=TransferConfig.from_env())
+    group = dist.group.WORLD if spec["group"] else None
+    if spec["api"] == "dcp":
+        tensor = load_dcp(spec["uri"], shard, spec["size"] // spec["shards"] // 4, group)
+    else:
+        tensor = ft.load(spec["uri"], rank=shard, group=group, config=TransferConfig.from_env())["w"]
     seconds = time.monotonic() - started
     record = {"seconds": seconds, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-              "exact": digest_of(state["w"]) == spec["digests"][shard]}
+              "exact": digest_of(tensor) == spec["digests"][shard]}
     with open(os.path.join(spec["out"], f"rank-{rank}.json"), "w") as f:
         json.dump(record, f)
     dist.destroy_process_group()
@@ -96,16 +131,17 @@ def launch(spec: dict[str, Any]) -> None:
         p.join()
 
 
-def restore(endpoint: str, uri: str, ranks: int, shards: int, digests: list[str], group: bool) -> dict[str, Any]:
+def restore(endpoint: str, uri: str, ranks: int, shards: int, digests: list[str], group: bool, api: str, size: int
+            ) -> dict[str, Any]:
     """One run through a counting proxy: what reached the store, the ranks' records summed up."""
     with FaultProxy(int(endpoint.rsplit(":", 1)[1])) as proxy, tempfile.TemporaryDirectory() as out:
         proxy.throttle(1 << 30)  # never throttles: each request on a connection of its own, counted
         spec = {"uri": uri.replace(endpoint, proxy.url), "ranks": ranks, "shards": shards, "digests": digests,
-                "group": group, "out": out, "port": _free_port()}
+                "group": group, "out": out, "port": _free_port(), "api": api, "size": size}
         subprocess.run([sys.executable, "-m", "bench.scale_bench", "--launch", json.dumps(spec)], cwd=ROOT,
                        check=True)
         records = [json.load(open(os.path.join(out, f"rank-{r}.json"))) for r in range(ranks)]
-        return {"group": group, "store_bytes": proxy.moved["down"], "requests": len(proxy.requests),
+        return {"api": api, "group": group, "store_bytes": proxy.moved["down"], "requests": len(proxy.requests),
                 "lists": sum("list-type=" in line for line in proxy.requests),
                 "wall_s": max(r["seconds"] for r in records), "rss_mib": max(r["rss_mib"] for r in records),
                 "exact": all(r["exact"] for r in records)}
@@ -124,6 +160,7 @@ def main() -> None:
     parser.add_argument("--size", default="512MiB", help="the whole state, over all shards")
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--replicas", type=int, nargs="*", default=[1, 2, 4, 8])
+    parser.add_argument("--api", nargs="*", default=["torch"], choices=["torch", "dcp"])
     parser.add_argument("--endpoint", help="an S3 endpoint to use instead of starting the JuiceFS gateway")
     parser.add_argument("--bucket", default="bench", help="the bucket (at --endpoint) the shards are saved in")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
@@ -142,24 +179,25 @@ def main() -> None:
     os.environ["FASTCKPT_S3_IF_ABSENT"] = "best-effort"  # the gateway ignores If-None-Match
     rows = []
     try:
-        for replicas in args.replicas:
-            shards = args.ranks // replicas
-            uri = f"s3://{args.bucket}/scale-{os.getpid()}-{shards}?endpoint_override={endpoint}"
-            digests = save_shards(uri, size, shards)
-            for group in (True, False):
-                row = {"shards": shards, "replicas": replicas, **restore(endpoint, uri, args.ranks, shards, digests,
-                                                                          group)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        for api in args.api:
+            for replicas in args.replicas:
+                shards = args.ranks // replicas
+                uri = f"s3://{args.bucket}/scale-{os.getpid()}-{api}-{shards}?endpoint_override={endpoint}"
+                digests = (save_dcp if api == "dcp" else save_shards)(uri, size, shards)
+                for group in (True, False):
+                    row = {"shards": shards, "replicas": replicas,
+                           **restore(endpoint, uri, args.ranks, shards, digests, group, api, size)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     finally:
         if gateway is not None:
             gateway.stop()
     print(f"\n{args.ranks} ranks, {args.size} of state, S3 gateway on 127.0.0.1\n")
-    print("| shards | replicas | `group=` | from the store (x state) | requests | LISTs | wall s | peak RSS MiB "
-          "| exact |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| API | shards | replicas | `group=` | from the store (x state) | requests | LISTs | wall s "
+          "| peak RSS MiB | exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shards']} | {r['replicas']} | {'yes' if r['group'] else 'no'} | "
+        print(f"| {r['api']} | {r['shards']} | {r['replicas']} | {'yes' if r['group'] else 'no'} | "
               f"{r['store_bytes'] / MiB:.0f} MiB ({r['store_bytes'] / size:.2f}x) | {r['requests']} | {r['lists']} | "
               f"{r['wall_s']:.2f} | {r['rss_mib']:.0f} | {r['exact']} |")
     os.makedirs(args.out, exist_ok=True)

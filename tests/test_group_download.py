@@ -27,14 +27,14 @@ SIZES = {"model-00001.safetensors": 3 << 20, "model-00002.safetensors": (2 << 20
 
 
 def job(tmp_path: Path, uri: str, *, group: bool = True, die: int | None = None, unreadable: int | None = None,
-        mode: str = "download") -> list[dict]:
+        mode: str = "download", keys: list[list[str]] | None = None) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / f"out-{os.urandom(3).hex()}"
     out.mkdir()
     spec = {"uri": uri, "world": WORLD, "port": port, "out": str(out), "group": group, "die": die,
-            "unreadable": unreadable, "mode": mode}
+            "unreadable": unreadable, "mode": mode, "keys": keys}
     run = subprocess.run([sys.executable, "-m", "tests.ranks.group_job", json.dumps(spec)], cwd=REPO,
                          capture_output=True, text=True, timeout=200)
     records = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
@@ -42,14 +42,15 @@ def job(tmp_path: Path, uri: str, *, group: bool = True, die: int | None = None,
     return records
 
 
-def served(endpoint: str, uri: str, tmp_path: Path, mode: str) -> tuple[list[dict], list[dict], int, int]:
+def served(endpoint: str, uri: str, tmp_path: Path, mode: str, keys: list[list[str]] | None = None
+           ) -> tuple[list[dict], list[dict], int, int]:
     """The job run on ``uri`` through a byte-counting proxy in front of ``endpoint``, with ``group=`` and without:
     (records with, records without, bytes the store served with, bytes without)."""
     with FaultProxy(urlsplit(endpoint).port) as proxy:
         through = uri.replace(endpoint, proxy.url)
-        shared = job(tmp_path, through, mode=mode)
+        shared = job(tmp_path, through, mode=mode, keys=keys)
         once = proxy.moved["down"]
-        alone = job(tmp_path, through, group=False, mode=mode)
+        alone = job(tmp_path, through, group=False, mode=mode, keys=keys)
         return shared, alone, once, proxy.moved["down"] - once
 
 
@@ -142,3 +143,54 @@ def test_a_corrupt_state_fails_every_loading_rank(tmp_path: Path) -> None:
     errors = {r["error"] for r in records}
     assert len(errors) == 1 and not any(r["ok"] for r in records), errors
     assert "differ from the manifest" in errors.pop()
+
+
+DCP_SHAPES = {"embed": (1024, 768), "head": (768, 512), "norm": (4096,)}
+
+
+def dcp_saved(uri: str) -> dict[str, str]:
+    """A DCP checkpoint of a 5 MiB state saved by one process to ``uri`` with small chunks (several per tensor); the
+    sha256 of each tensor's bytes and the ``step`` item."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    from fastckpt.torch.dcp import Writer
+
+    gen = torch.Generator().manual_seed(11)
+    state = {k: torch.randn(shape, generator=gen) for k, shape in DCP_SHAPES.items()}
+    state["head"] = state["head"].to(torch.bfloat16)
+    dcp.save({**state, "step": 42}, storage_writer=Writer(uri, config=fastckpt.TransferConfig(part_size=1 << 20)),
+             no_dist=True)
+    return {**{k: hashlib.sha256(v.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest() for k, v in state.items()},
+            "step": "42"}
+
+
+@pytest.mark.parametrize("layout", ["replicas", "overlapping"])
+def test_dcp_reader_reads_each_byte_once_for_the_group(layout: str, s3_uri: str, moto_server, tmp_path: Path) -> None:
+    """3 ranks load a DCP checkpoint through ``Reader(group=)``: all of it on every rank (data-parallel replicas), or
+    overlapping subsets of its tensors; the store serves each byte any rank needs about once with the group, and
+    once per rank that needs it without; every rank loads its tensors bit-exact either way."""
+    uri = below(s3_uri, f"dcp-{layout}")
+    want = dcp_saved(uri)
+    names = sorted(DCP_SHAPES)
+    keys = [names] * WORLD if layout == "replicas" else [names, ["embed"], ["embed", "norm"]]
+    files = fastckpt.open_checkpoint(uri).files
+    tensors = sum(f.size for n, f in files.items() if f is not None and n != ".metadata")
+    shared, alone, once, without = served(moto_server.endpoint, uri, tmp_path, "dcp", keys)
+    for rank, record in enumerate(shared + alone):
+        assert record["ok"], record["error"]
+        assert record["files"] == {k: want[k] for k in [*keys[rank % WORLD], "step"]}
+    assert once <= 1.05 * tensors + files[".metadata"].size * 2 * WORLD, (once, tensors)
+    assert without >= (WORLD if layout == "replicas" else 1.3) * tensors, (without, tensors)
+
+
+def test_dcp_reader_in_a_group_fails_every_rank_on_a_corrupt_chunk(tmp_path: Path) -> None:
+    uri = f"file://{tmp_path}/store/dcp"
+    dcp_saved(uri)
+    victim = tmp_path / "store/dcp/rank-00000.distcp"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    records = job(tmp_path, uri, mode="dcp", keys=[sorted(DCP_SHAPES)] * WORLD)
+    assert len(records) == WORLD and not any(r["ok"] for r in records), records
+    assert all("do not match their recorded chunk digests" in r["error"] for r in records), records

@@ -8,7 +8,9 @@ nothing, and a rank that dies mid-save leaves an attempt that ``gc`` removes.
 
 The reader opens committed checkpoints only. Any rank may read any part of any file (DCP reshards on
 load); every chunk read is checked against its recorded digest. ``.metadata`` is read with
-``torch.load(weights_only=True)``, allowing DCP's metadata classes and nothing else.
+``torch.load(weights_only=True)``, allowing DCP's metadata classes and nothing else. With ``group=``
+(``Reader(uri, group=pg)``), the metadata is read once for the group and each byte that several ranks need is read
+from storage once (``group_dcp``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from torch.futures import Future
 from .._loop import BackgroundLoop
 from ..checkpoint.attempt import attempt_from_env, new_attempt_id
 from ..checkpoint.barrier import HandedBarrier
+from ..checkpoint.group import GroupCall
 from ..checkpoint.manifest import RankManifest
 from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..checkpoint.writer import CheckpointWriter
@@ -51,6 +54,7 @@ from ..errors import CheckpointError, IntegrityError
 from ..stores.base import Store
 from ..tasks import gather_all
 from ..uri import StorageURI, parse_uri
+from .group_dcp import GroupRead, Segment
 from .staging import byte_view
 
 METADATA = ".metadata"
@@ -262,10 +266,14 @@ class Writer(_Location, StorageWriter):
 class Reader(_Location, StorageReader):
     """``StorageReader`` for ``dcp.load`` from the committed fastckpt checkpoint ``uri`` (any backend)."""
 
-    def __init__(self, uri: str | os.PathLike[str] | None = None, *, config: TransferConfig | None = None) -> None:
+    def __init__(self, uri: str | os.PathLike[str] | None = None, *, config: TransferConfig | None = None,
+                 group: Any = None) -> None:
+        """``group``: a ``torch.distributed`` process group whose ranks all load (usually DCP's own, e.g.
+        ``dist.group.WORLD``); the checkpoint's metadata is then read once for the group, and each byte that
+        several of its ranks need is read from storage once and sent to the others over the group."""
         super().__init__()
         self.uri = os.fspath(uri) if uri is not None else None
-        self.config = config
+        self.config, self.group = config, group
         self._ckpt: Checkpoint | None = None
         self._storage: dict[dcp_meta.MetadataIndex, StoredItem] = {}
 
@@ -275,22 +283,46 @@ class Reader(_Location, StorageReader):
         self._ckpt = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_meta.Metadata:
-        self._ckpt = _run(self._open())
-        if METADATA not in self._ckpt.files:
-            raise CheckpointError(f"{self.uri} is a fastckpt checkpoint, but not one written by dcp.save")
-        size = self._digest(METADATA).size
-        arrived: queue.Queue[Any] = queue.Queue()
-        _run(self._read([_Span(METADATA, 0, size, [])], arrived, asyncio.Semaphore(1)))
-        layout = arrived.get()[1]
+        if self.group is None:
+            self._ckpt, raw = _run(self._metadata())
+        elif "rank" in kwargs:  # DCP asks for rank-local metadata after the shared read failed on every rank
+            raise CheckpointError(f"{self.uri}: a fastckpt checkpoint has no rank-local DCP metadata")
+        else:
+            self._ckpt, raw = _run(self._shared_metadata())
         with torch.serialization.safe_globals(_SAFE):
-            metadata = torch.load(io.BytesIO(layout.pieces(0, size)[0]), weights_only=True)
+            metadata = torch.load(io.BytesIO(raw), weights_only=True)
         if not isinstance(metadata, dcp_meta.Metadata):
             raise CheckpointError(f"{self.uri}/{METADATA} does not hold DCP metadata")
         return metadata
 
-    async def _open(self) -> Checkpoint:
+    async def _metadata(self) -> tuple[Checkpoint, bytes]:
+        """The checkpoint (its manifests checked against the marker) and DCP's metadata bytes, verified."""
         async with self._store() as (target, cfg, store):
-            return await open_checkpoint_async(target, config=cfg, store=store)
+            self._ckpt = ckpt = await open_checkpoint_async(target, config=cfg, store=store)
+            if METADATA not in ckpt.files:
+                raise CheckpointError(f"{self.uri} is a fastckpt checkpoint, but not one written by dcp.save")
+            span = _Span(METADATA, 0, self._digest(METADATA).size, [])
+            layout = span.layout()
+            transfer = Transfer(store, cfg)
+            try:
+                await self._read_span(transfer, span, layout)
+            finally:
+                transfer.close()
+        return ckpt, bytes(layout.pieces(0, span.end)[0])
+
+    async def _shared_metadata(self) -> tuple[Checkpoint, bytes]:
+        """``_metadata`` read by group rank 0 and handed to the others; its failure raised on every rank."""
+        call = await GroupCall.of(self.group, f"DCP load of {self.uri} by its process group")
+        shared: dict[str, Any] = {}
+        if call.rank == 0:
+            try:
+                ckpt, raw = await self._metadata()
+                shared = {"checkpoint": ckpt, "metadata": raw}
+            except Exception as exc:
+                shared = {"error": f"{type(exc).__name__}: {exc}"}
+        shared = await call.share(shared)
+        call.raise_first([shared.get("error")])
+        return shared["checkpoint"], shared["metadata"]
 
     def set_up_storage_reader(self, metadata: dcp_meta.Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -305,7 +337,10 @@ class Reader(_Location, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         """Spans of the files are read on fastckpt's loop (a few ahead) and handed to the planner here, in order
         of arrival; memory stays at a few spans whatever the plan's size. Whole stored tensors are received
-        straight into contiguous CPU destinations."""
+        straight into contiguous CPU destinations. With ``group=``, see ``group_dcp``."""
+        if self.group is not None:
+            self._read_in_group(plan, planner)
+            return _done(None)
         spans = self._spans(plan.items, planner)
         arrived: queue.Queue[tuple[_Span, Layout] | BaseException] = queue.Queue()
         loop = BackgroundLoop.get().loop
@@ -330,6 +365,39 @@ class Reader(_Location, StorageReader):
         finally:
             reading.cancel()
         return _done(None)
+
+    def _read_in_group(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """``read_data`` on every rank of the group at once: a batch of segments fetched (each by one rank), agreed
+        on, exchanged, and the spans it completes handed to the planner, until all are."""
+        assert self._ckpt is not None
+        ckpt = self._ckpt
+        spans = self._spans(plan.items, planner)
+        for span in spans:
+            span.direct.clear()  # assembled from segments of several ranks, then delivered
+        call = _run(GroupCall.of(self.group, f"DCP load of {self.uri} by its process group"))
+        read = GroupRead(call, spans, ckpt.chunks, {n: d.chunk_size for n, d in ckpt.files.items() if d is not None},
+                         ckpt.file_key, str(self.uri))
+        for batch in _run(read.plan()):
+            held: dict[Segment, bytearray] = {}
+            error = None
+            try:
+                held = _run(self._fetch(read, batch))
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            _run(call.agree(error))
+            error = _run(call.run(lambda b=batch, h=held: read.exchange(b, h)))
+            try:
+                for filling in read.place(held):
+                    for req, offset, length in filling.span.items:
+                        start = offset - filling.span.start
+                        self._deliver(req, memoryview(filling.buf)[start:start + length], planner)
+            except Exception as exc:
+                error = error or f"{type(exc).__name__}: {exc}"
+            _run(call.agree(error))
+
+    async def _fetch(self, read: GroupRead, batch: list[Segment]) -> dict[Segment, bytearray]:
+        async with self._store() as (_, cfg, store):
+            return await read.fetch(store, cfg, batch)
 
     def _deliver(self, req: Any, data: memoryview, planner: LoadPlanner) -> None:
         item = self._storage[req.storage_index]

@@ -3,7 +3,8 @@
 Spec keys: uri, world, port, out, group (share the download over the process group, else every rank alone), die
 (a rank that exits when the exchange starts, or null), unreadable (a rank whose reads of its own files fail during
 the exchange, or null), mode (``download``, the default: each rank downloads to
-``{out}/rank-N/``; ``load``: each rank loads stored rank 0's tensor state with ``fastckpt.torch.load``). Each rank
+``{out}/rank-N/``; ``load``: each rank loads stored rank 0's tensor state with ``fastckpt.torch.load``; ``dcp``:
+each rank loads the tensors ``keys[rank]`` of a DCP checkpoint with ``dcp.load`` and fastckpt's ``Reader``). Each rank
 records ``{out}/rank-N.json``: ``{"ok": ..., "error": ..., "files": {name or tensor key: sha256}, "seconds": ...}``.
 """
 
@@ -18,6 +19,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 import fastckpt
 import fastckpt.torch as ft
@@ -44,14 +46,16 @@ def rank_main(rank: int, spec: dict) -> None:
     config = TransferConfig(part_size=1 << 20, max_in_flight=4, retries=2, retry_for=0)
     started, files = time.monotonic(), {}
     try:
-        if spec.get("mode") == "load":
+        if spec.get("mode") == "dcp":
+            files = dcp_load(spec["uri"], spec["keys"][rank], group, config)
+        elif spec.get("mode") == "load":
             state = ft.load(spec["uri"], rank=0, group=group, config=config)
             files = {k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
                      for k, v in state.items()}
         else:
             fastckpt.download_checkpoint(spec["uri"], dst, group=group, config=config)
         record = {"ok": True, "error": ""}
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # DCP's own is a BaseException
         record = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     for root, _, names in os.walk(dst):
         for name in names:
@@ -61,6 +65,22 @@ def rank_main(rank: int, spec: dict) -> None:
     with open(os.path.join(spec["out"], f"rank-{rank}.json"), "w") as f:
         json.dump(record, f)
     dist.destroy_process_group()
+
+
+def dcp_load(uri: str, keys: list[str], group: object, config: TransferConfig) -> dict[str, str]:
+    """The sha256 of each tensor of ``keys`` loaded from the DCP checkpoint at ``uri`` (shapes and dtypes from its
+    metadata), and the value of its ``step`` item."""
+    import torch.distributed.checkpoint as dcp
+
+    from fastckpt.torch.dcp import Reader
+
+    meta = Reader(uri, config=config).read_metadata().state_dict_metadata
+    state: dict = {k: torch.zeros(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}
+    state["step"] = -1
+    dcp.load(state, storage_reader=Reader(uri, config=config, group=group))
+    step = state.pop("step")
+    return {**{k: hashlib.sha256(v.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest() for k, v in state.items()},
+            "step": str(step)}
 
 
 def main() -> int:
