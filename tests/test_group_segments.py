@@ -54,3 +54,12 @@ def test_long_shared_ranges_are_cut_and_batched(monkeypatch: pytest.MonkeyPatch)
     assert all(s.end - s.start == 4 * CHUNK for s in segs) and len(segs) == 8
     assert Counter(s.owner for s in segs) == {0: 4, 1: 4}
     assert [len(b) for b in batches(segs)] == [2, 2, 2, 2]
+
+
+def test_batches_take_the_sets_of_ranks_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two shards each loaded by two ranks: every batch holds work for both pairs, so neither waits on the other."""
+    monkeypatch.setattr(group_dcp, "SEGMENT", 2 * CHUNK)
+    monkeypatch.setattr(group_dcp, "BATCH", 4 * CHUNK)
+    spans = [[("f", 0, 8 * CHUNK)], [("f", 8 * CHUNK, 16 * CHUNK)]] * 2
+    for batch in batches(segments(spans, {"f": CHUNK})):
+        assert {s.needers for s in batch} == {(0, 2), (1, 3)}

@@ -15,7 +15,7 @@ from .documents import read_small
 from .manifest import decode_group, encode_group, group_key, rank_key
 
 BROADCAST_NAME = "broadcast.json"
-FIRST_POLL_TRIPS = 4
+FIRST_POLL_TRIPS = 6
 """A rank's first look for the outcome comes this many of its own write's round trips after it handed in its payload:
 the leaders' reads, their group objects, the root's reads, checks and marker lie between."""
 

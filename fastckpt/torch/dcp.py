@@ -351,16 +351,7 @@ class Reader(_Location, StorageReader):
                 got = arrived.get()
                 if isinstance(got, BaseException):
                     raise got
-                span, layout = got
-                for i, (req, offset, length) in enumerate(span.items):
-                    if i in span.direct:
-                        planner.commit_tensor(req, span.direct[i])
-                        continue
-                    pieces = layout.pieces(offset - span.start, length)
-                    data = pieces[0] if len(pieces) == 1 else memoryview(bytearray(length))
-                    if len(pieces) != 1:
-                        layout.gather(offset - span.start, data)
-                    self._deliver(req, data, planner)
+                self._hand_over(*got, planner)
                 loop.call_soon_threadsafe(slots.release)
         finally:
             reading.cancel()
@@ -372,32 +363,39 @@ class Reader(_Location, StorageReader):
         assert self._ckpt is not None
         ckpt = self._ckpt
         spans = self._spans(plan.items, planner)
-        for span in spans:
-            span.direct.clear()  # assembled from segments of several ranks, then delivered
         call = _run(GroupCall.of(self.group, f"DCP load of {self.uri} by its process group"))
         read = GroupRead(call, spans, ckpt.chunks, {n: d.chunk_size for n, d in ckpt.files.items() if d is not None},
                          ckpt.file_key, str(self.uri))
         for batch in _run(read.plan()):
-            held: dict[Segment, bytearray] = {}
             error = None
             try:
-                held = _run(self._fetch(read, batch))
+                _run(self._fetch(read, batch))
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
             _run(call.agree(error))
-            error = _run(call.run(lambda b=batch, h=held: read.exchange(b, h)))
+            error = _run(call.run(lambda b=batch: read.exchange(b)))
             try:
-                for filling in read.place(held):
-                    for req, offset, length in filling.span.items:
-                        start = offset - filling.span.start
-                        self._deliver(req, memoryview(filling.buf)[start:start + length], planner)
+                for filling in read.complete():
+                    self._hand_over(filling.span, filling.layout, planner)
             except Exception as exc:
                 error = error or f"{type(exc).__name__}: {exc}"
             _run(call.agree(error))
 
-    async def _fetch(self, read: GroupRead, batch: list[Segment]) -> dict[Segment, bytearray]:
+    async def _fetch(self, read: GroupRead, batch: list[Segment]) -> None:
         async with self._store() as (_, cfg, store):
-            return await read.fetch(store, cfg, batch)
+            await read.fetch(store, cfg, batch)
+
+    def _hand_over(self, span: _Span, layout: Layout, planner: LoadPlanner) -> None:
+        """The items of ``span``, whose bytes are in ``layout``, to the planner."""
+        for i, (req, offset, length) in enumerate(span.items):
+            if i in span.direct:
+                planner.commit_tensor(req, span.direct[i])
+                continue
+            pieces = layout.pieces(offset - span.start, length)
+            data = pieces[0] if len(pieces) == 1 else memoryview(bytearray(length))
+            if len(pieces) != 1:
+                layout.gather(offset - span.start, data)
+            self._deliver(req, data, planner)
 
     def _deliver(self, req: Any, data: memoryview, planner: LoadPlanner) -> None:
         item = self._storage[req.storage_index]

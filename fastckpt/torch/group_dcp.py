@@ -5,27 +5,28 @@ Every rank cuts its load plan into chunk-aligned spans as the reader does alone;
 and each file is cut at every rank's span boundaries into segments, each needed by a fixed set of ranks (and at
 ``SEGMENT`` bytes, so that a long shared range is fetched by several of them). A segment is fetched by the rank of
 its set with the fewest bytes to fetch so far, checked there against the manifest's chunk digests, and sent to the
-others of its set over the group's gloo twin, in one order every rank follows (none waits on one that waits on it);
-receivers check every chunk again. Segments go in batches of about ``BATCH`` bytes, and a rank hands a span to the
-planner as soon as all of its segments are in: memory stays near a batch plus the spans being filled, whatever the
-checkpoint's size. A failure on any rank fails every rank with the same error.
+others of its set over the group's gloo twin, ``CHUNK`` bytes at a time, in one order every rank follows (none waits
+on one that waits on it); receivers check every chunk again. Bytes land in the spans' layouts, as when a rank reads
+alone (whole stored tensors straight into their destinations). Segments go in batches of about ``BATCH`` bytes, and a
+rank hands a span to the planner as soon as all of its segments are in: memory stays at the spans being filled plus
+one ``CHUNK`` buffer. A failure on any rank fails every rank with the same error.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
-import xxhash
 
-from ..checkpoint.group import CHUNK, GroupCall
+from ..checkpoint.group import CHUNK, GroupCall, chunk_buffer
 from ..engine.layout import Layout, read_layout
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError
+from ..integrity import ChunkHasher
 from ..stores.base import Store
 from ..tasks import gather_all
 
@@ -81,10 +82,15 @@ def segments(spans: list[list[Span]], chunk_sizes: dict[str, int]) -> list[Segme
 
 
 def batches(segs: list[Segment]) -> list[list[Segment]]:
-    """``segs`` in order, in runs of about ``BATCH`` bytes."""
+    """``segs`` in runs of about ``BATCH`` bytes, the segments of different sets of ranks taken in turn (each set in
+    file order), so that every run keeps as many ranks busy as there is work for."""
+    by_set: dict[tuple[int, ...], list[Segment]] = defaultdict(list)
+    for seg in segs:
+        by_set[seg.needers].append(seg)
+    turns = [seg for round_ in itertools.zip_longest(*by_set.values()) for seg in round_ if seg is not None]
     out: list[list[Segment]] = [[]]
     size = 0
-    for seg in segs:
+    for seg in turns:
         if size >= BATCH:
             out.append([])
             size = 0
@@ -95,15 +101,21 @@ def batches(segs: list[Segment]) -> list[list[Segment]]:
 
 @dataclass
 class Filling:
-    """One of this rank's spans being assembled from segments; complete when ``missing`` reaches 0."""
+    """One of this rank's spans being filled from segments: its layout (destination tensors where the reader can
+    receive straight into them, scratch elsewhere); complete when ``missing`` reaches 0."""
 
     span: Any
-    buf: bytearray = field(init=False)
+    layout: Layout = field(init=False)
     missing: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.buf = bytearray(self.span.end - self.span.start)
-        self.missing = len(self.buf)
+        self.layout = self.span.layout()
+        self.missing = self.layout.size
+
+    def at(self, seg: Segment) -> int:
+        """Where ``seg`` starts in this span's layout (segments are cut at every span boundary: each lies inside
+        the spans it touches)."""
+        return seg.start - self.span.start
 
 
 class GroupRead:
@@ -123,21 +135,43 @@ class GroupRead:
         everyone = await self.call.gather([(s.name, s.start, s.end) for s in self.spans])
         return batches(segments([[tuple(s) for s in mine] for mine in everyone], self.sizes))
 
-    async def fetch(self, store: Store, config: Any, batch: list[Segment]) -> dict[Segment, bytearray]:
-        """The segments of ``batch`` this rank owns, read from storage and checked against their chunk digests."""
-        mine = {seg: bytearray(seg.end - seg.start) for seg in batch if seg.owner == self.call.rank}
+    def fillings(self, seg: Segment) -> list[Filling]:
+        """The spans of this rank that ``seg`` falls in (one, or two where this rank's spans overlap)."""
+        out = []
+        for i in self.by_name[seg.name]:
+            span = self.spans[i]
+            if seg.start < span.end and span.start < seg.end:
+                out.append(self.filling.setdefault(i, Filling(span)))
+        return out
+
+    async def fetch(self, store: Store, config: Any, batch: list[Segment]) -> None:
+        """The segments of ``batch`` this rank owns, read from storage into its spans and checked against their
+        chunk digests."""
         transfer = Transfer(store, config)
 
         async def one(seg: Segment) -> None:
-            got = await read_layout(transfer, self.file_key(seg.name), seg.start, Layout([mine[seg]]),
+            first, *others = self.fillings(seg)
+            got = await read_layout(transfer, self.file_key(seg.name), seg.start,
+                                    Layout(first.layout.pieces(first.at(seg), seg.end - seg.start)),
                                     self.sizes[seg.name])
             self.check(seg, [d.hex() for d in got], "read from storage")
+            self._filled(seg, first, others)
 
         try:
-            await gather_all(one(seg) for seg in mine)
+            await gather_all(one(seg) for seg in batch if seg.owner == self.call.rank)
         finally:
             transfer.close()
-        return mine
+
+    @staticmethod
+    def _filled(seg: Segment, first: Filling, others: list[Filling]) -> None:
+        """``seg`` is in ``first``: copied into the other spans it falls in too; each counts it as filled."""
+        if others:
+            data = memoryview(bytearray(seg.end - seg.start))
+            first.layout.gather(first.at(seg), data)
+            for filling in others:
+                filling.layout.scatter(filling.at(seg), data)
+        for filling in (first, *others):
+            filling.missing -= seg.end - seg.start
 
     def check(self, seg: Segment, found: list[str], how: str) -> None:
         """IntegrityError unless ``found`` are the recorded digests of the chunks of ``seg``."""
@@ -148,49 +182,38 @@ class GroupRead:
             raise IntegrityError(f"{self.what}/{seg.name}: bytes {seg.start}-{seg.end} {how} by rank {self.call.rank} "
                                  "do not match their recorded chunk digests")
 
-    def exchange(self, batch: list[Segment], held: dict[Segment, bytearray]) -> str | None:
+    def exchange(self, batch: list[Segment]) -> str | None:
         """On a worker thread: each segment of ``batch`` sent by its owner to the other ranks that need it, in the
-        same order on every rank; received segments are checked and added to ``held``. What went wrong here, if
-        anything (the exchange goes on, so that the ranks stay in step)."""
+        same order on every rank, ``CHUNK`` bytes at a time; received segments are checked and placed in this
+        rank's spans. What went wrong here, if anything (the exchange goes on, so that the ranks stay in step)."""
         rank, error = self.call.rank, None
+        view, tensor = chunk_buffer()
         for seg in batch:
             if len(seg.needers) < 2 or rank not in seg.needers:
                 continue
-            if rank == seg.owner:  # it holds the segment: a failed fetch was agreed on before the exchange
-                data = torch.frombuffer(held[seg], dtype=torch.uint8)
+            first, *others = self.fillings(seg)
+            offset, length = first.at(seg), seg.end - seg.start
+            if rank == seg.owner:  # the segment is in its span: a failed fetch was agreed on before the exchange
                 for peer in seg.needers:
-                    for offset in range(0, len(data), CHUNK) if peer != rank else ():
-                        dist.send(data[offset:offset + CHUNK], dst=self.call.global_rank(peer), group=self.call.gloo)
+                    for pos in range(0, length, CHUNK) if peer != rank else ():
+                        piece = view[:min(CHUNK, length - pos)]
+                        first.layout.gather(offset + pos, piece)
+                        dist.send(tensor[:len(piece)], dst=self.call.global_rank(peer), group=self.call.gloo)
                 continue
-            buf = bytearray(seg.end - seg.start)
-            tensor = torch.frombuffer(buf, dtype=torch.uint8)
-            for offset in range(0, len(buf), CHUNK):
-                dist.recv(tensor[offset:offset + CHUNK], src=self.call.global_rank(seg.owner), group=self.call.gloo)
+            hasher = ChunkHasher(self.sizes[seg.name])
+            for pos in range(0, length, CHUNK):
+                piece = view[:min(CHUNK, length - pos)]
+                dist.recv(tensor[:len(piece)], src=self.call.global_rank(seg.owner), group=self.call.gloo)
+                first.layout.scatter(offset + pos, piece)
+                hasher.update(piece)
             try:
-                self.check(seg, self._digests(seg, buf), "received")
-                held[seg] = buf
+                self.check(seg, [d.hex() for d in hasher.finish()], "received")
             except IntegrityError as exc:
                 error = error or str(exc)
+            self._filled(seg, first, others)
         return error
 
-    def _digests(self, seg: Segment, buf: bytearray) -> list[str]:
-        cs, view = self.sizes[seg.name], memoryview(buf)
-        return [xxhash.xxh3_128_hexdigest(view[i:i + cs]) for i in range(0, len(view), cs)]
-
-    def place(self, held: dict[Segment, bytearray]) -> list[Filling]:
-        """Copy the segments held into the spans of this rank that cover them; the spans now complete."""
-        done: list[Filling] = []
-        for seg, buf in held.items():
-            if self.call.rank not in seg.needers:
-                continue
-            for i in self.by_name[seg.name]:
-                span = self.spans[i]
-                if seg.end <= span.start or seg.start >= span.end:
-                    continue
-                filling = self.filling.setdefault(i, Filling(span))
-                lo, hi = max(seg.start, span.start), min(seg.end, span.end)
-                filling.buf[lo - span.start:hi - span.start] = memoryview(buf)[lo - seg.start:hi - seg.start]
-                filling.missing -= hi - lo
-                if not filling.missing:
-                    done.append(self.filling.pop(i))
-        return done
+    def complete(self) -> list[Filling]:
+        """The spans now filled, taken out of the ones in progress."""
+        done = [i for i, f in self.filling.items() if not f.missing]
+        return [self.filling.pop(i) for i in done]
