@@ -121,12 +121,16 @@ def make_filesystem(engine: str, endpoint: str, knobs: dict[str, Any]) -> Any:
 
 
 def server_files(client: Any, prefix: str) -> dict[str, int]:
-    """relative key -> size of the objects below ``prefix`` (directory markers left out)."""
+    """relative key -> size of the objects below ``prefix`` (directory markers and fastckpt's digest records, which
+    are its own bookkeeping beside the files, left out)."""
+    from bench.verify import is_record
+
     out = {}
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/"):
         for obj in page.get("Contents", []):
-            if not obj["Key"].endswith("/"):
-                out[obj["Key"][len(prefix) + 1:]] = obj["Size"]
+            rel = obj["Key"][len(prefix) + 1:]
+            if not obj["Key"].endswith("/") and not (obj["Size"] == 0 and is_record(rel)):
+                out[rel] = obj["Size"]
     return out
 
 
@@ -214,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--knob", action="append", default=[], metavar="FIELD=VALUE",
                         help="fastckpt TransferConfig override (default fsync=False, as for the peers)")
     parser.add_argument("--workdir", help="scratch directory (default: a temporary one)")
+    parser.add_argument("--out", default=RESULTS, help="directory for the JSON results")
     args = parser.parse_args(argv)
 
     work = tempfile.mkdtemp(prefix="fastckpt-raybench-", dir=args.workdir)
@@ -249,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         fmt = (lambda v, spec: format(v, spec) if v is not None else "-")  # noqa: E731
         print(f"{r['engine']:10}{r['mode']:20}{r['verified']:>6}/{r['runs']:<3}{fmt(r['median_s'], '>10.2f')}"
               f"{fmt(r['gib_per_s'], '>8.2f')}{fmt(r['peak_rss_mib'], '>14.0f')}")
-    os.makedirs(RESULTS, exist_ok=True)
-    out = os.path.join(RESULTS, f"ray-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    os.makedirs(args.out, exist_ok=True)
+    out = os.path.join(args.out, f"ray-{time.strftime('%Y%m%d-%H%M%S')}.json")
     with open(out, "w") as f:
         json.dump({"args": {k: v for k, v in vars(args).items()}, "started": started, "summary": rows,
                    "results": results, "python": sys.version}, f, indent=1)

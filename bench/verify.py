@@ -53,7 +53,7 @@ def _file_reader(path: str) -> Callable[[int, int], bytes]:
     return read
 
 
-def _record(rel: str) -> bool:
+def is_record(rel: str) -> bool:
     """Whether ``rel`` is one of fastckpt's records of an S3 object's digest (``stores.s3``)."""
     return f"/{RECORD_DIR}/" in f"/{rel}"
 
@@ -101,7 +101,7 @@ def verify_dir(expected: Manifest, root: str) -> list[str]:
         return [f"{root} does not exist"]
     files = local_files(root)
     sizes = {rel: os.path.getsize(path) for rel, path in files.items()}
-    sizes = {rel: n for rel, n in sizes.items() if not (n == 0 and _record(rel))}  # a peer's copy of them
+    sizes = {rel: n for rel, n in sizes.items() if not (n == 0 and is_record(rel))}  # a peer's copy of them
     return compare(expected, sizes, lambda rel, o, n: _file_reader(files[rel])(o, n))
 
 
@@ -112,7 +112,7 @@ def verify_s3(expected: Manifest, client: object, bucket: str, prefix: str) -> l
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):  # type: ignore[attr-defined]
         for obj in page.get("Contents", []):
             rel = obj["Key"][len(prefix):]
-            if obj["Size"] == 0 and (rel == "" or rel.endswith("/") or _record(rel)):
+            if obj["Size"] == 0 and (rel == "" or rel.endswith("/") or is_record(rel)):
                 continue  # directory markers (pyarrow), fastckpt's records of S3 objects' digests
             sizes[rel] = obj["Size"]
 

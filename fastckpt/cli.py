@@ -30,7 +30,8 @@ def _is_remote(path: str) -> bool:
 
 
 def _config(args: argparse.Namespace) -> TransferConfig:
-    return TransferConfig.from_env(part_size=args.part_size, max_in_flight=args.concurrency)
+    return TransferConfig.from_env(part_size=args.part_size, max_in_flight=args.concurrency,
+                                   fsync=True if getattr(args, "durable", False) else None)
 
 
 def _progress_factory(args: argparse.Namespace) -> Callable[[str], ProgressCallback | None]:
@@ -180,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("cp", parents=[common], help="copy a file or directory to or from a store")
     cp.add_argument("src")
     cp.add_argument("dst")
+    cp.add_argument("--durable", action="store_true",
+                    help="fsync downloaded files before they take their names (default: as s5cmd and the AWS CLI, no)")
     ls = sub.add_parser("ls", parents=[common], help="list objects below a URI")
     ls.add_argument("uri")
     ver = sub.add_parser("verify", parents=[common], help="re-hash a checkpoint or objects against their digests")

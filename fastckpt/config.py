@@ -108,8 +108,21 @@ class TransferConfig:
     """Check digests on download when the object records one."""
     digest_metadata: bool = True
     """Store the file digest as object metadata (may need a hashing pass before an S3 multipart upload)."""
-    fsync: bool = True
-    """fsync downloaded files and local-store writes before they become visible."""
+    fsync: bool | None = None
+    """fsync before a written file becomes visible. None (the default): writes to a local or NFS *store* (a
+    checkpoint's home) are fsynced, downloads to a local path are not (the object store keeps the data, as with
+    s5cmd, the AWS CLI, gsutil and pyarrow; a rerun re-checks what it finds); True: both (durable downloads);
+    False: neither."""
+
+    @property
+    def store_fsync(self) -> bool:
+        """Whether the local store fsyncs what it writes."""
+        return self.fsync is not False
+
+    @property
+    def download_fsync(self) -> bool:
+        """Whether a download fsyncs a file before its rename."""
+        return self.fsync is True
 
     @property
     def journal_dir(self) -> str:
@@ -131,7 +144,7 @@ class TransferConfig:
 def _convert(name: str, type_name: object, text: str) -> object:
     kind = str(type_name)
     try:
-        if kind == "bool":
+        if kind in ("bool", "bool | None"):
             return parse_bool(text, f"FASTCKPT_{name.upper()}")
         if kind == "float":
             return float(text)

@@ -27,7 +27,7 @@ def test_cp_ls_verify_roundtrip(tmp_path) -> None:
     assert sorted(o["size"] for o in json.loads(ls.stdout)["objects"]) == [5, 3000]
     ver = run("verify", store)
     assert ver.returncode == 0 and "verified" in ver.stdout
-    down = run("cp", store, str(tmp_path / "back"))
+    down = run("cp", "--durable", store, str(tmp_path / "back"))
     assert down.returncode == 0, down.stderr
     assert (tmp_path / "back" / "sub" / "b.bin").read_bytes() == (src / "sub" / "b.bin").read_bytes()
     target = tmp_path / "store" / "ckpt" / "a.bin"

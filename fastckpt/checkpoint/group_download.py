@@ -61,7 +61,7 @@ async def download_in_group(store: Store, base: StorageURI, cfg: TransferConfig,
     finally:
         transfer.close()
     await call.agree(error)
-    received = await call.run(lambda: _exchange(call, files, paths, cfg.fsync))
+    received = await call.run(lambda: _exchange(call, files, paths, cfg.download_fsync))
     await call.agree(received if isinstance(received, str) else None)
     digests: dict[str, list[bytes]] = received if isinstance(received, dict) else {}
     return [FileResult(base.join(name), paths[name],

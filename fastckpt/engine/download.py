@@ -97,7 +97,7 @@ class Downloads(TransferSession):
                 digests = [d for part in parts for d in part]
                 if expected is not None:
                     expected.check(digests, f"{key} (downloaded to {path})")
-                if self.config.fsync:
+                if self.config.download_fsync:
                     await off_loop(os.fsync, fd)
             finally:
                 os.close(fd)
@@ -128,7 +128,7 @@ class Downloads(TransferSession):
                 if expected is not None:
                     expected.check(digests, f"{key} (downloaded to {path})")
                 write_at(fd, 0, data)
-                if self.config.fsync:
+                if self.config.download_fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)

@@ -352,4 +352,4 @@ class LocalStore(Store):
 def from_uri(uri: StorageURI, config: TransferConfig) -> LocalStore:
     """Local store rooted at '/' (keys are absolute paths without the leading slash); no URI options."""
     check_options(uri, frozenset())
-    return LocalStore("/", fsync=config.fsync)
+    return LocalStore("/", fsync=config.store_fsync)
