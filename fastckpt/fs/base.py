@@ -157,7 +157,16 @@ class FastckptHandler(pafs.FileSystemHandler):
         return self.open_input_file(path)
 
     def open_input_file(self, path: str) -> InputFile:
-        return InputFile(ReaderHandle(self.run, self.run(self._reader(path)), path), mode="r")
+        return InputFile(self.reader(path), mode="r")
+
+    def reader(self, path: str) -> ReaderHandle:
+        """The file at ``path``, opened for reading (parts fetched ahead in parallel, its digest checked)."""
+        return ReaderHandle(self.run, self.run(self._reader(path)), path)
+
+    def writer(self, path: str, metadata: dict[str, str] | None = None) -> WriterHandle:
+        """A new object at ``path`` being written: it appears whole when the handle is closed."""
+        self._check_target(path)
+        return WriterHandle(self.run, self.run(self._writer(path, metadata or {})), path)
 
     async def _reader(self, path: str) -> StreamReader:
         bucket, key = self.split(path)
@@ -173,9 +182,7 @@ class FastckptHandler(pafs.FileSystemHandler):
         return StreamReader(store, meta, self.config)
 
     def open_output_stream(self, path: str, metadata: Any = None) -> OutputStream:
-        self._check_target(path)
-        writer = self.run(self._writer(path, _metadata(metadata)))
-        return OutputStream(WriterHandle(self.run, writer, path), mode="w")
+        return OutputStream(self.writer(path, _metadata(metadata)), mode="w")
 
     async def _writer(self, path: str, metadata: dict[str, str], *, append: bool = False) -> StreamWriter:
         store, key = await self._write_target(path)

@@ -223,6 +223,19 @@ class ObjectStoreHandler(FastckptHandler):
         await store.delete(key)
         await self._keep_parent(store, key)
 
+    def delete_objects(self, paths: list[str]) -> None:
+        """Delete the objects at ``paths`` and nothing else: no directory marker is left in their place (fsspec's
+        object stores, where a directory is only the prefix of what is below it)."""
+        self.run(self._delete_objects(paths))
+
+    async def _delete_objects(self, paths: list[str]) -> None:
+        keys: dict[str, list[str]] = {}
+        for path in paths:
+            bucket, key = self.split(path)
+            keys.setdefault(bucket, []).append(key)
+        for bucket, found in keys.items():
+            await (await self.store(bucket)).delete_many(found)
+
     async def _file(self, path: str) -> tuple[Store, str]:
         """Store and key of the file at ``path``; FileNotFoundError / IsADirectoryError otherwise."""
         bucket, key = self.split(path)
