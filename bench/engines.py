@@ -10,6 +10,7 @@ dir ``dst``), ``target`` (local: ``src``/``dst`` are directories; s3: the remote
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import threading
@@ -130,8 +131,6 @@ def prepare_fastckpt(spec: Spec) -> Timed:
 
     The backend module is imported before the timed window, like every peer's library.
     """
-    import importlib
-
     import fastckpt
 
     importlib.import_module("fastckpt.stores.s3" if spec["target"] == "s3" else "fastckpt.stores.local")
@@ -204,6 +203,44 @@ def prepare_s3fs(spec: Spec) -> Timed:
             key=key, secret=secret, endpoint_url=endpoint, client_kwargs={"region_name": "us-east-1"})))
 
     return _copy_files(spec, make_fs, f"{bucket}/{prefix}")
+
+
+# ------------------------------------------------------------------------------------------ through fsspec
+
+def _fsspec_copy(spec: Spec, make_fs: Callable[[], Any], remote: str) -> Timed:
+    """``fs.put`` / ``fs.get`` of the whole directory, recursively (how fsspec users move a checkpoint)."""
+
+    def run() -> dict[str, Any]:
+        fs = make_fs()
+        if spec["direction"] == "upload":
+            fs.put(spec["src"].rstrip("/") + "/", remote + "/", recursive=True)
+        else:
+            fs.get(remote + "/", spec["dst"].rstrip("/") + "/", recursive=True)
+        return {}
+
+    return run
+
+
+def prepare_fsspec_fastckpt(spec: Spec) -> Timed:
+    """fastckpt's fsspec face (``fsspec.filesystem("fastckpt")``), its defaults and the run's knobs."""
+    import fsspec
+
+    importlib.import_module("fastckpt.stores.s3")
+    endpoint, bucket, prefix = _s3(spec)
+    config = fastckpt_config(spec.get("knobs", {}))
+    return _fsspec_copy(spec, lambda: fsspec.filesystem("fastckpt", endpoint_override=endpoint, config=config,
+                                                        skip_instance_cache=True), f"s3://{bucket}/{prefix}")
+
+
+def prepare_fsspec_s3fs(spec: Spec) -> Timed:
+    """s3fs's own ``put`` / ``get`` (``fsspec.filesystem("s3")``), its defaults."""
+    import fsspec
+
+    endpoint, bucket, prefix = _s3(spec)
+    key, secret = _keys()
+    return _fsspec_copy(spec, lambda: fsspec.filesystem("s3", key=key, secret=secret, endpoint_url=endpoint,
+                                                        client_kwargs={"region_name": "us-east-1"},
+                                                        skip_instance_cache=True), f"s3://{bucket}/{prefix}")
 
 
 # ------------------------------------------------------------------------------------------ boto3
@@ -356,6 +393,9 @@ ENGINES = {e.name: e for e in [
            env=(("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required"),)),
     Engine("torch.save", ("local",), ("upload",), prepare_torch_save),
     Engine("s3fs", ("s3",), ("upload", "download"), prepare_s3fs),
+    Engine("fsspec-fastckpt", ("s3",), ("upload", "download"), prepare_fsspec_fastckpt),
+    Engine("fsspec-s3fs", ("s3",), ("upload", "download"), prepare_fsspec_s3fs,
+           env=(("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required"),)),
     Engine("boto3", ("s3",), ("upload", "download"), prepare_boto3),
     Engine("s5cmd", ("s3",), ("upload", "download"), prepare_s5cmd),
     Engine("obstore", ("s3",), ("upload", "download"), prepare_obstore),
