@@ -19,6 +19,7 @@ import asyncio
 import io
 import os
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any, TypeVar
 from urllib.parse import urlencode
 
@@ -33,6 +34,8 @@ from .uri import parse_uri
 
 T = TypeVar("T")
 PROTOCOL = "fastckpt"
+_BATCH: ContextVar[list[tuple[FastckptHandler, str, str]] | None] = ContextVar("fastckpt_fsspec_batch", default=None)
+"""The files of the ``put`` / ``get`` running in this task: (handler, source, destination)."""
 
 
 class FastckptFileSystem(AsyncFileSystem):
@@ -177,6 +180,30 @@ class FastckptFileSystem(AsyncFileSystem):
 
         await self._call(write)
 
+    async def _put(self, lpath: Any, rpath: Any, *args: Any, **kwargs: Any) -> Any:
+        """fsspec's ``put`` (its rules for paths and directories), the files then sent as one engine transfer."""
+        return await self._batched(super()._put(lpath, rpath, *args, **kwargs), upload=True)
+
+    async def _get(self, rpath: Any, lpath: Any, *args: Any, **kwargs: Any) -> Any:
+        """fsspec's ``get``, the files then fetched as one engine transfer (each checked against its digest)."""
+        return await self._batched(super()._get(rpath, lpath, *args, **kwargs), upload=False)
+
+    async def _batched(self, planning: Any, *, upload: bool) -> Any:
+        """Run fsspec's ``put`` / ``get`` with ``_put_file`` / ``_get_file`` collecting their files, then move them
+        in one engine transfer per backend: parts of all files in flight together, as ``fastckpt.upload`` does."""
+        pairs: list[tuple[FastckptHandler, str, str]] = []
+        token = _BATCH.set(pairs)
+        try:
+            result = await planning
+        finally:
+            _BATCH.reset(token)
+        by_handler: dict[int, tuple[FastckptHandler, list[tuple[str, str]]]] = {}
+        for h, a, b in pairs:
+            by_handler.setdefault(id(h), (h, []))[1].append((a, b))
+        for h, items in by_handler.values():
+            await self._call(h.upload_files if upload else h.download_files, items)
+        return result
+
     async def _put_file(self, lpath: str, rpath: str, mode: str = "overwrite", **kwargs: Any) -> None:
         if await asyncio.to_thread(_is_local_dir, lpath):
             await self._makedirs(rpath, exist_ok=True)
@@ -184,14 +211,22 @@ class FastckptFileSystem(AsyncFileSystem):
         if mode == "create" and await self._exists(rpath):
             raise FileExistsError(rpath)
         h, p = await asyncio.to_thread(self._write_target, rpath)
-        await self._call(h.upload_files, [(lpath, p)])
+        await self._move(h, lpath, p, upload=True)
 
     async def _get_file(self, rpath: str, lpath: str, **kwargs: Any) -> None:
         h, p, _ = self._target(rpath)
         if (await self._info(rpath))["type"] == "directory":
             await asyncio.to_thread(_make_local_dir, lpath)
             return
-        await self._call(h.download_files, [(p, lpath)])
+        await self._move(h, p, lpath, upload=False)
+
+    async def _move(self, h: FastckptHandler, src: str, dst: str, *, upload: bool) -> None:
+        """One file through the engine now, or into the batch of the ``put`` / ``get`` running."""
+        batch = _BATCH.get()
+        if batch is not None:
+            batch.append((h, src, dst))
+        else:
+            await self._call(h.upload_files if upload else h.download_files, [(src, dst)])
 
     async def _cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
         if (await self._info(path1))["type"] == "directory":
