@@ -15,6 +15,7 @@ bench/results/) as JSON, PNG and markdown.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -253,10 +254,13 @@ class Session:
                         pass
         return "sync, page cache emptied and the source re-read"
 
-    def run_one(self, spec: dict[str, Any], nbytes: int, label: str, rnd: int, env: dict[str, str] | None = None
-                ) -> dict[str, Any]:
-        """Spawn one transfer; the caller verifies it."""
-        if self.args.settle:
+    def run_one(self, spec: dict[str, Any], nbytes: int, label: str, rnd: int, env: dict[str, str] | None = None,
+                state: str = "settled") -> dict[str, Any]:
+        """Spawn one transfer; the caller verifies it. ``state``: settled (see ``settle``), or unsettled (only a
+        ``sync``: the page cache stays as full as the previous runs left it, as on a node that has been training)."""
+        if state == "unsettled":
+            os.sync()
+        elif self.args.settle:
             self.meta["settle"] = self.settle(spec)
         cpu0 = self.server.cpu_seconds() if self.server else None
         load = os.getloadavg()[0]
@@ -395,28 +399,31 @@ def cmd_transfer(args: argparse.Namespace, target: str) -> dict[str, Any]:
                 ckpt = session.checkpoint(size)
                 manifest = verify.scan(ckpt)
                 nbytes = sum(e.size for e in manifest.values())
-                label = f"{args.files}files" if args.files else size_label(size)
-                ref = _reference(session, ckpt, manifest, label, nbytes)
-                for rnd in range(args.rounds):
-                    for direction in ("upload", "download"):
-                        for name in _rotate(engines, rnd):
-                            if direction not in ENGINES[name].directions:
-                                continue
-                            env = dict(ENGINES[name].env)
-                            if direction == "upload":
-                                dst = session.remote("runs", label, name, f"r{rnd}")
-                                run = session.run_one(session.spec(name, direction, ckpt, dst), nbytes, label, rnd, env)
-                                problems = []
-                                if run["ok"]:
-                                    problems = (verify.verify_torch(manifest, ckpt, dst) if name == "torch.save"
-                                                else session.verify_remote(manifest, dst))
-                                session.remove_remote(dst)
-                            else:
-                                dst = os.path.join(session.workdir, "dl", label, name, f"r{rnd}")
-                                run = session.run_one(session.spec(name, direction, ref, dst), nbytes, label, rnd, env)
-                                problems = verify.verify_dir(manifest, dst) if run["ok"] else []
-                                shutil.rmtree(dst, ignore_errors=True)
-                            session.record(run, problems)
+                base = f"{args.files}files" if args.files else size_label(size)
+                ref = _reference(session, ckpt, manifest, base, nbytes)
+                states = args.states.split(",")
+                for rnd, state, direction in itertools.product(range(args.rounds), states, ("upload", "download")):
+                    label = f"{base} {state}" if len(states) > 1 else base
+                    for name in _rotate(engines, rnd):
+                        if direction not in ENGINES[name].directions:
+                            continue
+                        env = dict(ENGINES[name].env)
+                        if direction == "upload":
+                            dst = session.remote("runs", label.replace(" ", "-"), name, f"r{rnd}")
+                            run = session.run_one(session.spec(name, direction, ckpt, dst), nbytes, label, rnd, env,
+                                                  state)
+                            problems = []
+                            if run["ok"]:
+                                problems = (verify.verify_torch(manifest, ckpt, dst) if name == "torch.save"
+                                            else session.verify_remote(manifest, dst))
+                            session.remove_remote(dst)
+                        else:
+                            dst = os.path.join(session.workdir, "dl", label.replace(" ", "-"), name, f"r{rnd}")
+                            run = session.run_one(session.spec(name, direction, ref, dst), nbytes, label, rnd, env,
+                                                  state)
+                            problems = verify.verify_dir(manifest, dst) if run["ok"] else []
+                            shutil.rmtree(dst, ignore_errors=True)
+                        session.record(run, problems)
                 session.remove_remote(ref)
             return session.finish(target)
     finally:
@@ -487,6 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--durable", action="store_true",
                        help="end every timed window with syncfs of the destination and keep fastckpt's fsync "
                             "(default: page-cache speed for all; fastckpt runs with fsync=False)")
+        p.add_argument("--states", default="settled", choices=("settled", "unsettled", "settled,unsettled"),
+                       help="settled: each run after the settle step; unsettled: after a sync only (the page cache as "
+                            "full as the previous runs left it, as on a long-running node); both: rounds interleave "
+                            "them and the tables show each")
         p.add_argument("--no-settle", dest="settle", action="store_false",
                        help="start each run as the previous one left the page cache (default, untimed: sync, and where "
                             "allowed empty the page cache and read the run's source back into it)")
