@@ -157,6 +157,17 @@ def test_local_round_json_and_verified_peers(tmp_path: Path) -> None:
     assert sorted(os.listdir(work)) == ["ckpt-4MiB-s0", "ckpt-4MiB-s0.done"]
 
 
+def test_settled_and_unsettled_rounds_side_by_side(tmp_path: Path) -> None:
+    out = str(tmp_path / "out")
+    assert main(["local", "--size", "4MiB", "--rounds", "1", "--engines", "fastckpt,cp", "--states",
+                 "settled,unsettled", "--out", out, "--workdir", str(tmp_path / "work")]) == 0
+    rows = _load(out)["summary"]
+    assert {(r["size"], r["engine"], r["direction"]) for r in rows} == {
+        (f"4MiB {state}", engine, direction) for state in ("settled", "unsettled") for engine in ("fastckpt", "cp")
+        for direction in ("upload", "download")}
+    assert all(r["ok"] == r["runs"] == 1 for r in rows), rows
+
+
 def test_gpu_mode_on_cpu(tmp_path: Path) -> None:
     out = str(tmp_path / "out")
     assert main(["gpu", "--device", "cpu", "--size", "4MiB", "--rounds", "1", "--out", out, "--no-settle",
