@@ -34,8 +34,9 @@ from .uri import parse_uri
 
 T = TypeVar("T")
 PROTOCOL = "fastckpt"
-_BATCH: ContextVar[list[tuple[FastckptHandler, str, str]] | None] = ContextVar("fastckpt_fsspec_batch", default=None)
-"""The files of the ``put`` / ``get`` running in this task: (handler, source, destination)."""
+_BATCH: ContextVar[list[tuple[FastckptHandler, str, str, int | None]] | None] = ContextVar("fastckpt_fsspec_batch",
+                                                                                           default=None)
+"""The files of the ``put`` / ``get`` running in this task: (handler, source, destination, size when known)."""
 
 
 class FastckptFileSystem(AsyncFileSystem):
@@ -191,17 +192,23 @@ class FastckptFileSystem(AsyncFileSystem):
     async def _batched(self, planning: Any, *, upload: bool) -> Any:
         """Run fsspec's ``put`` / ``get`` with ``_put_file`` / ``_get_file`` collecting their files, then move them
         in one engine transfer per backend: parts of all files in flight together, as ``fastckpt.upload`` does."""
-        pairs: list[tuple[FastckptHandler, str, str]] = []
+        pairs: list[tuple[FastckptHandler, str, str, int | None]] = []
         token = _BATCH.set(pairs)
         try:
             result = await planning
         finally:
             _BATCH.reset(token)
-        by_handler: dict[int, tuple[FastckptHandler, list[tuple[str, str]]]] = {}
-        for h, a, b in pairs:
-            by_handler.setdefault(id(h), (h, []))[1].append((a, b))
-        for h, items in by_handler.values():
-            await self._call(h.upload_files if upload else h.download_files, items)
+        by_handler: dict[int, tuple[FastckptHandler, list[tuple[str, str]], dict[str, int]]] = {}
+        for h, a, b, size in pairs:
+            group = by_handler.setdefault(id(h), (h, [], {}))
+            group[1].append((a, b))
+            if size is not None:
+                group[2][a] = size
+        for h, items, sizes in by_handler.values():
+            if upload:
+                await self._call(h.upload_files, items)
+            else:
+                await self._call(h.download_files, items, sizes)
         return result
 
     async def _put_file(self, lpath: str, rpath: str, mode: str = "overwrite", **kwargs: Any) -> None:
@@ -215,18 +222,22 @@ class FastckptFileSystem(AsyncFileSystem):
 
     async def _get_file(self, rpath: str, lpath: str, **kwargs: Any) -> None:
         h, p, _ = self._target(rpath)
-        if (await self._info(rpath))["type"] == "directory":
+        info = await self._info(rpath)
+        if info["type"] == "directory":
             await asyncio.to_thread(_make_local_dir, lpath)
             return
-        await self._move(h, p, lpath, upload=False)
+        await self._move(h, p, lpath, upload=False, size=info["size"])
 
-    async def _move(self, h: FastckptHandler, src: str, dst: str, *, upload: bool) -> None:
-        """One file through the engine now, or into the batch of the ``put`` / ``get`` running."""
+    async def _move(self, h: FastckptHandler, src: str, dst: str, *, upload: bool, size: int | None = None) -> None:
+        """One file through the engine now, or into the batch of the ``put`` / ``get`` running (``size``: the
+        remote file's, which lets the engine plan the parts of the whole batch together)."""
         batch = _BATCH.get()
         if batch is not None:
-            batch.append((h, src, dst))
+            batch.append((h, src, dst, size))
+        elif upload:
+            await self._call(h.upload_files, [(src, dst)])
         else:
-            await self._call(h.upload_files if upload else h.download_files, [(src, dst)])
+            await self._call(h.download_files, [(src, dst)], {src: size} if size is not None else None)
 
     async def _cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
         if (await self._info(path1))["type"] == "directory":

@@ -66,7 +66,7 @@ def copy_files(source: str, destination: str, source_filesystem: pafs.FileSystem
         return
     src_fs, src_path = pafs._resolve_filesystem_and_path(source, source_filesystem)
     dst_fs, dst_path = pafs._resolve_filesystem_and_path(destination, destination_filesystem)
-    pairs, dirs = plan_copy(src_fs, src_path, dst_path)
+    pairs, dirs, sizes = plan_copy(src_fs, src_path, dst_path)
     upload = dst_h is not None and isinstance(src_fs, pafs.LocalFileSystem)
     download = src_h is not None and isinstance(dst_fs, pafs.LocalFileSystem)
     if upload or download or (dst_h is not None and not dst_h.local):
@@ -78,7 +78,7 @@ def copy_files(source: str, destination: str, source_filesystem: pafs.FileSystem
     if upload:
         dst_h.upload_files(pairs)
     elif download:
-        src_h.download_files(pairs)
+        src_h.download_files(pairs, sizes)
     else:
         _copy_streams(src_fs, dst_fs, pairs, chunk_size, use_threads)
 
@@ -86,20 +86,24 @@ def copy_files(source: str, destination: str, source_filesystem: pafs.FileSystem
 copy_files.fastckpt_guard = True  # type: ignore[attr-defined]
 
 
-def plan_copy(src_fs: pafs.FileSystem, src_path: str, dst_path: str) -> tuple[list[tuple[str, str]], list[str]]:
-    """(source file, destination file) pairs and the destination directories of a copy."""
-    if src_fs.get_file_info(src_path).type != pafs.FileType.Directory:
-        return [(src_path, dst_path)], []
+def plan_copy(src_fs: pafs.FileSystem, src_path: str, dst_path: str
+              ) -> tuple[list[tuple[str, str]], list[str], dict[str, int]]:
+    """(source file, destination file) pairs and the destination directories of a copy, and the source files' sizes
+    as the listing gave them."""
+    info = src_fs.get_file_info(src_path)
+    if info.type != pafs.FileType.Directory:
+        return [(src_path, dst_path)], [], {src_path: info.size} if info.size is not None else {}
     base = src_path.rstrip("/")
     dst = dst_path.rstrip("/")
-    pairs, dirs = [], []
+    pairs, dirs, sizes = [], [], {}
     for info in src_fs.get_file_info(pafs.FileSelector(base, recursive=True)):
         target = posixpath.join(dst, info.path[len(base) + 1:])
         if info.type == pafs.FileType.File:
             pairs.append((info.path, target))
+            sizes[info.path] = info.size
         elif info.type == pafs.FileType.Directory:
             dirs.append(target)
-    return pairs, dirs
+    return pairs, dirs, sizes
 
 
 def unimplied(dirs: list[str], files: list[str]) -> list[str]:

@@ -1,8 +1,8 @@
 """A gloo job that downloads one checkpoint on every rank: ``python -m tests.ranks.group_job SPEC_JSON``.
 
 Spec keys: uri, world, port, out, group (share the download over the process group, else every rank alone), die
-(a rank that exits when the exchange starts, or null), unreadable (a rank whose reads of its own files fail during
-the exchange, or null), mode (``download``, the default: each rank downloads to
+(a rank that exits when the exchange starts, the DCP reader's included; or null), unreadable (a rank whose reads of
+its own files fail during the exchange, or null), mode (``download``, the default: each rank downloads to
 ``{out}/rank-N/``; ``load``: each rank loads stored rank 0's tensor state with ``fastckpt.torch.load``; ``dcp``:
 each rank loads the tensors ``keys[rank]`` of a DCP checkpoint with ``dcp.load`` and fastckpt's ``Reader``). Each rank
 records ``{out}/rank-N.json``: ``{"ok": ..., "error": ..., "files": {name or tensor key: sha256}, "seconds": ...}``.
@@ -25,6 +25,7 @@ import fastckpt
 import fastckpt.torch as ft
 from fastckpt import TransferConfig
 from fastckpt.checkpoint import group_download
+from fastckpt.torch.group_dcp import GroupRead
 from tests.ranks import run_ranks
 
 
@@ -36,6 +37,7 @@ def rank_main(rank: int, spec: dict) -> None:
             os._exit(9)
 
         group_download._exchange = die  # type: ignore[assignment]
+        GroupRead.exchange = die  # type: ignore[method-assign]
     if spec.get("unreadable") == rank:
         def unreadable(*_: object) -> None:
             raise OSError(5, "Input/output error (injected)")
