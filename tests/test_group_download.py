@@ -200,10 +200,11 @@ def test_dcp_reader_in_a_group_fails_in_bounded_time_when_a_rank_dies(tmp_path: 
     uri = f"file://{tmp_path}/store/dcp"
     dcp_saved(uri)
     """Our exchange fails as the others do above; DCP then runs a collective of its own to share that failure, and
-    gloo's error from that one (the peer closed the connection) is what dcp.load raises: either way, soon."""
+    gloo's error from that one (the peer closed the connection, a read error) is what dcp.load raises: either way,
+    soon."""
     records = job(tmp_path, uri, mode="dcp", keys=[sorted(DCP_SHAPES)] * WORLD, die=1)
     assert len(records) == WORLD - 1  # the dead rank recorded nothing
     for record in records:
         assert not record["ok"], record
-        assert "process group" in record["error"] or "Connection closed by peer" in record["error"], record
+        assert "process group" in record["error"] or "gloo/transport" in record["error"], record
         assert record["seconds"] < 60
