@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import OrderedDict
 
 from ..errors import ObjectNotFoundError
 from ..tasks import gather_bounded
@@ -15,6 +16,8 @@ from .documents import read_small
 from .manifest import decode_group, encode_group, group_key, rank_key
 
 BROADCAST_NAME = "broadcast.json"
+TRIPS_KEPT = 1 << 16
+"""Round trips remembered at most (ranks of this process awaiting their broadcast)."""
 FIRST_POLL_TRIPS = 6
 """A rank's first look for the outcome comes this many of its own write's round trips after it handed in its payload:
 the leaders' reads, their group objects, the root's reads, checks and marker lie between."""
@@ -60,7 +63,9 @@ class StoreBarrier(Barrier):
             raise ValueError(f"store barrier group size must be at least 2, got {group_size}")
         self.poll_interval, self.max_poll_interval = poll_interval, max_poll_interval
         self.read_concurrency, self.group_size = read_concurrency, group_size
-        self._trip: dict[tuple[str, str, int], float] = {}
+        self._trip: OrderedDict[tuple[str, str, int], float] = OrderedDict()
+        """Each rank's write round trip, from its ``gather`` to its ``broadcast`` (bounded: a rank that fails after
+        its ``gather`` never comes to the ``broadcast``)."""
 
     def group_size_for(self, world_size: int) -> int:
         return self.group_size if world_size > self.group_size else 0
@@ -69,6 +74,8 @@ class StoreBarrier(Barrier):
         start = time.monotonic()
         await rv.write(rank_key(rv.prefix, tag, rv.rank), payload)
         self._trip[(rv.prefix, tag, rv.rank)] = time.monotonic() - start
+        if len(self._trip) > TRIPS_KEPT:
+            self._trip.popitem(last=False)
         if rv.rank % self.group_size:
             return None
         grouped = self.group_size_for(rv.world_size)
