@@ -26,6 +26,11 @@ from urllib.parse import urlencode
 import pyarrow.fs as pafs
 from fsspec.asyn import AsyncFileSystem
 
+try:
+    from fsspec.implementations.chained import ChainedFileSystem
+except ImportError:  # an fsspec before the chaining marker: fastckpt:// URLs still work, the :: chain does not
+    from fsspec import AbstractFileSystem as ChainedFileSystem
+
 from .config import TransferConfig
 from .fs import handler
 from .fs.base import FastckptHandler
@@ -39,18 +44,29 @@ _BATCH: ContextVar[list[tuple[FastckptHandler, str, str, int | None]] | None] = 
 """The files of the ``put`` / ``get`` running in this task: (handler, source, destination, size when known)."""
 
 
-class FastckptFileSystem(AsyncFileSystem):
-    """An fsspec ``AsyncFileSystem`` over every fastckpt backend; its paths are fastckpt URIs."""
+class FastckptFileSystem(AsyncFileSystem, ChainedFileSystem):
+    """An fsspec ``AsyncFileSystem`` over every fastckpt backend; its paths are fastckpt URIs.
+
+    In a chained URL (``fastckpt::s3://bucket/key``) fsspec hands it the inner protocol (``target_protocol``) and
+    the inner filesystem's form of the path (``bucket/key``); paths without a scheme are then in that protocol.
+    fsspec asks the inner protocol's own class for that form, so the chain needs it installed (s3fs for ``s3``);
+    ``fastckpt://s3://bucket/key`` needs nothing else."""
 
     protocol = (PROTOCOL,)
     root_marker = ""
     cachable = True
 
     def __init__(self, *args: Any, config: TransferConfig | None = None, asynchronous: bool = False,
-                 loop: Any = None, batch_size: int | None = None, **storage_options: Any) -> None:
+                 loop: Any = None, batch_size: int | None = None, target_protocol: str | None = None,
+                 target_options: dict[str, Any] | None = None, fo: str | None = None,
+                 **storage_options: Any) -> None:
         super().__init__(*args, asynchronous=asynchronous, loop=loop, batch_size=batch_size)
         self.config = config or TransferConfig.from_env()
+        if target_options and target_options.get("endpoint_url"):  # the inner filesystem's name for it (s3fs)
+            storage_options.setdefault("endpoint_override", target_options["endpoint_url"])
         self.options = {k: str(v) for k, v in storage_options.items() if v is not None}
+        self.target_protocol = None if target_protocol in (None, "file", "local") else target_protocol
+        """The scheme of scheme-less paths (a chained URL's inner protocol; local paths need none)."""
         self._handlers: dict[tuple[str, str], FastckptHandler] = {}
 
     # ----------------------------------------------------------------------------- paths
@@ -71,6 +87,8 @@ class FastckptFileSystem(AsyncFileSystem):
     def _target(self, path: str) -> tuple[FastckptHandler, str, Callable[[str], str]]:
         """The facade handler serving ``path``, the path as it names it, and the way back to a path of ours."""
         path = self._strip_protocol(path)
+        if self.target_protocol and "://" not in path and not path.startswith("/"):
+            path = f"{self.target_protocol}://{path}"
         uri = parse_uri(path)
         if uri.backend == "local":
             local = "/" + uri.key

@@ -99,3 +99,26 @@ def test_urls_writes_and_engine_transfers(moto_server, tmp_path) -> None:
     assert sorted(fs.find(base)) == [f"{base}/a.txt", f"{base}/big.bin"]
     fs.rm(base, recursive=True)
     assert not fs.exists(base)
+
+
+def test_chained_url_of_a_local_file(tmp_path) -> None:
+    """``fastckpt::file://...``: fsspec builds fastckpt's filesystem for the chain and hands it the path."""
+    url = f"fastckpt::file://{tmp_path}/model/a.bin"
+    with fsspec.open(url, "wb") as f:
+        f.write(b"chained")
+    assert isinstance(fsspec.core.url_to_fs(url)[0], FastckptFileSystem)
+    assert (tmp_path / "model" / "a.bin").read_bytes() == b"chained"
+    with fsspec.open(url, "rb") as f:
+        assert f.read() == b"chained"
+
+
+def test_chained_s3_url(moto_server) -> None:
+    """``fastckpt::s3://bucket/key``: fsspec asks s3fs to parse the inner path, so this form needs s3fs installed;
+    its ``endpoint_url`` option reaches fastckpt as ``endpoint_override``."""
+    pytest.importorskip("s3fs")
+    url, opts = f"fastckpt::s3://{BUCKET}/chain-{uuid.uuid4().hex[:8]}/a.bin", {"s3": {"endpoint_url":
+                                                                                       moto_server.endpoint}}
+    with fsspec.open(url, "wb", **opts) as f:
+        f.write(b"chained")
+    with fsspec.open(url, "rb", **opts) as f:
+        assert f.read() == b"chained"
