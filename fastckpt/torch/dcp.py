@@ -54,7 +54,7 @@ from ..errors import CheckpointError, IntegrityError
 from ..stores.base import Store
 from ..tasks import gather_all
 from ..uri import StorageURI, parse_uri
-from .group_dcp import GroupRead, Segment
+from .group_dcp import GroupRead
 from .staging import byte_view
 
 METADATA = ".metadata"
@@ -358,32 +358,13 @@ class Reader(_Location, StorageReader):
         return _done(None)
 
     def _read_in_group(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """``read_data`` on every rank of the group at once: a batch of segments fetched (each by one rank), agreed
-        on, exchanged, and the spans it completes handed to the planner, until all are."""
+        """``read_data`` on every rank of the group at once (``group_dcp.GroupRead.run``)."""
         assert self._ckpt is not None
         ckpt = self._ckpt
-        spans = self._spans(plan.items, planner)
         call = _run(GroupCall.of(self.group, f"DCP load of {self.uri} by its process group"))
-        read = GroupRead(call, spans, ckpt.chunks, {n: d.chunk_size for n, d in ckpt.files.items() if d is not None},
-                         ckpt.file_key, str(self.uri))
-        for batch in _run(read.plan()):
-            error = None
-            try:
-                _run(self._fetch(read, batch))
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            _run(call.agree(error))
-            error = _run(call.run(lambda b=batch: read.exchange(b)))
-            try:
-                for filling in read.complete():
-                    self._hand_over(filling.span, filling.layout, planner)
-            except Exception as exc:
-                error = error or f"{type(exc).__name__}: {exc}"
-            _run(call.agree(error))
-
-    async def _fetch(self, read: GroupRead, batch: list[Segment]) -> None:
-        async with self._store() as (_, cfg, store):
-            await read.fetch(store, cfg, batch)
+        sizes = {n: d.chunk_size for n, d in ckpt.files.items() if d is not None}
+        read = GroupRead(call, self._spans(plan.items, planner), ckpt.chunks, sizes, ckpt.file_key, str(self.uri))
+        read.run(self._store, lambda span, layout: self._hand_over(span, layout, planner))
 
     def _hand_over(self, span: _Span, layout: Layout, planner: LoadPlanner) -> None:
         """The items of ``span``, whose bytes are in ``layout``, to the planner."""

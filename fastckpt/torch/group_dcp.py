@@ -17,11 +17,13 @@ from __future__ import annotations
 import itertools
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
+from .._loop import BackgroundLoop
 from ..checkpoint.group import CHUNK, GroupCall, chunk_buffer
 from ..engine.layout import Layout, read_layout
 from ..engine.transfer import Transfer
@@ -217,3 +219,29 @@ class GroupRead:
         """The spans now filled, taken out of the ones in progress."""
         done = [i for i, f in self.filling.items() if not f.missing]
         return [self.filling.pop(i) for i in done]
+
+    def run(self, opened: Callable[[], AbstractAsyncContextManager[tuple[Any, Any, Store]]],
+            hand_over: Callable[[Any, Layout], None]) -> None:
+        """From the reader's thread: batch after batch, the segments this rank owns fetched (through the store
+        ``opened()`` yields as (uri, config, store)), every rank's outcome agreed on, the segments exchanged, and
+        each span they complete handed over; a failure on any rank raised on every rank, in step."""
+        loop = BackgroundLoop.get()
+
+        async def fetch(batch: list[Segment]) -> None:
+            async with opened() as (_, config, store):
+                await self.fetch(store, config, batch)
+
+        for batch in loop.run(self.plan()):
+            error = None
+            try:
+                loop.run(fetch(batch))
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            loop.run(self.call.agree(error))
+            error = loop.run(self.call.run(lambda b=batch: self.exchange(b)))
+            try:
+                for filling in self.complete():
+                    hand_over(filling.span, filling.layout)
+            except Exception as exc:
+                error = error or f"{type(exc).__name__}: {exc}"
+            loop.run(self.call.agree(error))
