@@ -151,7 +151,7 @@ class Commit(abc.ABC):
         one, so a file taken over by another writer fails the commit even when the sizes agree."""
         store, meta = self._rv.store, meta_prefix(self.uri.key)
         entries = {self.uri.join(e.name): (m.rank, e) for m in manifests for e in m.files}
-        listed: dict[str, ObjectMeta] = {}
+        listed: dict[str, ObjectMeta | None] = {}
         notes: list[str] = []
         async for obj in store.list(self.uri.key):
             if obj.key in entries:
@@ -162,22 +162,24 @@ class Commit(abc.ABC):
         for named in await gather_bounded([_note_keys(store, k) for k in notes], CHECK_CONCURRENCY):
             replaced.update(listed if named is None else named)
 
-        async def check(key: str) -> str | None:
-            rank, entry = entries[key]
+        async def read_back(key: str) -> ObjectMeta | None:
+            try:
+                return await store.head(key)
+            except ObjectNotFoundError:
+                return None
+
+        again = [k for k in listed if k in replaced]  # only these cost a request each
+        listed.update(zip(again, await gather_bounded([read_back(k) for k in again], CHECK_CONCURRENCY),
+                          strict=True))
+        problems = []
+        for key, (rank, entry) in entries.items():
             found = listed.get(key)
             if found is None:
-                return f"{entry.name!r} (written by rank {rank}) is gone"
-            if key in replaced:
-                try:
-                    found = await store.head(key)
-                except ObjectNotFoundError:
-                    return f"{entry.name!r} (written by rank {rank}) is gone"
+                problems.append(f"{entry.name!r} (written by rank {rank}) is gone")
+                continue
             digest = FileDigest.from_metadata(found.size, found.metadata)
             if found.size != entry.digest.size or digest not in (None, entry.digest):
-                return f"{entry.name!r} no longer holds what rank {rank} wrote (replaced by another writer)"
-            return None
-
-        problems = [p for p in await gather_bounded((check(k) for k in entries), CHECK_CONCURRENCY) if p]
+                problems.append(f"{entry.name!r} no longer holds what rank {rank} wrote (replaced by another writer)")
         if problems:
             raise CheckpointError(f"checkpoint {self.uri.raw} not committed: " + "; ".join(problems[:5]))
 
@@ -244,7 +246,6 @@ class Commit(abc.ABC):
                 await self.barrier.broadcast(self._rv, self.attempt, json.dumps({"ok": False, "error": why}).encode())
         except Exception as err:  # the caller's exception is what propagates
             log.warning("rank %d could not report its failure to the barrier of %s: %s", self.rank, self.uri.raw, err)
-
 
 
 async def _note_keys(store: Store, key: str) -> list[str] | None:
