@@ -230,7 +230,7 @@ class FastckptFileSystem(AsyncFileSystem, ChainedFileSystem):
         return result
 
     async def _put_file(self, lpath: str, rpath: str, mode: str = "overwrite", **kwargs: Any) -> None:
-        if await asyncio.to_thread(_is_local_dir, lpath):
+        if await asyncio.to_thread(os.path.isdir, lpath):
             await self._makedirs(rpath, exist_ok=True)
             return
         if mode == "create" and await self._exists(rpath):
@@ -242,7 +242,7 @@ class FastckptFileSystem(AsyncFileSystem, ChainedFileSystem):
         h, p, _ = self._target(rpath)
         info = await self._info(rpath)
         if info["type"] == "directory":
-            await asyncio.to_thread(_make_local_dir, lpath)
+            await asyncio.to_thread(os.makedirs, lpath, exist_ok=True)
             return
         await self._move(h, p, lpath, upload=False, size=info["size"])
 
@@ -312,14 +312,6 @@ class FastckptFileSystem(AsyncFileSystem, ChainedFileSystem):
             h, p = self._write_target(path)
             return _Writing(h.writer(p), path)
         raise ValueError(f"fastckpt opens files in mode 'rb', 'wb' or 'xb', not {mode!r}")
-
-
-def _is_local_dir(path: str) -> bool:
-    return os.path.isdir(path)
-
-
-def _make_local_dir(path: str) -> None:
-    os.makedirs(path, exist_ok=True)
 
 
 class _Reading(io.RawIOBase):
