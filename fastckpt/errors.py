@@ -59,6 +59,15 @@ class AlreadyExistsError(StoreError, FileExistsError):
     """A create-if-absent write found the object already there."""
 
 
+class CopyUnsupportedError(StoreError):
+    """The store (or its server) cannot copy these bytes itself: the caller sends them instead."""
+
+
+class SourceChangedError(StoreError):
+    """The source of a server-side copy is no longer the version it was read as (another ETag, generation or file
+    version): nothing was copied."""
+
+
 class AccessDeniedError(StoreError, PermissionError):
     """Credentials are missing, wrong or lack permission."""
 

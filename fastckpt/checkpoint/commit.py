@@ -46,6 +46,13 @@ class CommitResult:
     files: int
     bytes: int
     committed_at: float
+    copied: int = 0
+    """Bytes of ``bytes`` the store copied from a base checkpoint (``base=``) instead of receiving them."""
+
+    @property
+    def sent(self) -> int:
+        """Bytes of the files the writers sent to the store."""
+        return self.bytes - self.copied
 
 
 class Commit(abc.ABC):
@@ -59,6 +66,7 @@ class Commit(abc.ABC):
     result: CommitResult | None
     _attempt: str | None
     _entries: dict[str, FileEntry | None]
+    _copied: int
     _store: Store | None
 
     @property
@@ -77,7 +85,8 @@ class Commit(abc.ABC):
 
     def _manifest(self, error: str | None = None) -> bytes:
         files = tuple(e for _, e in sorted(self._entries.items()) if e is not None) if error is None else ()
-        return RankManifest(self.attempt, self.rank, self.world_size, files, error).encode()
+        copied = self._copied if error is None else 0
+        return RankManifest(self.attempt, self.rank, self.world_size, files, error, copied=copied).encode()
 
     @abc.abstractmethod
     async def _close(self) -> None:
@@ -129,7 +138,7 @@ class Commit(abc.ABC):
                 raise BarrierTimeoutError(outcome["error"], outcome["missing"])
             raise CheckpointError(f"checkpoint {self.uri.raw} was not committed: {outcome['error']}")
         self.result = CommitResult(self.uri.raw, attempt, self.world_size, outcome["files"], outcome["bytes"],
-                                   outcome["committed_at"])
+                                   outcome["committed_at"], outcome.get("copied", 0))
 
     async def _write_own(self, key: str, data: bytes) -> None:
         """Create this rank's manifest (or barrier payload) ``key``; one left by a dead process of the same
@@ -207,7 +216,8 @@ class Commit(abc.ABC):
             return {"ok": False, "error": str(exc)}, None
         except Exception as exc:  # re-raised by the caller once the others know
             return {"ok": False, "error": f"rank 0 could not create the commit marker: {exc}"}, exc
-        return {"ok": True, "files": marker.files, "bytes": marker.bytes, "committed_at": marker.committed_at}, None
+        return {"ok": True, "files": marker.files, "bytes": marker.bytes, "committed_at": marker.committed_at,
+                "copied": marker.copied}, None
 
     async def _create_marker(self, marker: CommitMarker) -> None:
         key, data = marker_key(self.uri.key), marker.encode()
@@ -227,7 +237,8 @@ class Commit(abc.ABC):
             return None
         if marker.attempt != self.attempt:
             return None
-        return {"ok": True, "files": marker.files, "bytes": marker.bytes, "committed_at": marker.committed_at}
+        return {"ok": True, "files": marker.files, "bytes": marker.bytes, "committed_at": marker.committed_at,
+                "copied": marker.copied}
 
     async def _report_failure(self, exc: Exception) -> None:
         """Hand a failure record to the barrier so that nothing commits and the others learn why (where the barrier

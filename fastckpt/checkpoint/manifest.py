@@ -112,6 +112,8 @@ class RankManifest:
     files: tuple[FileEntry, ...] = ()
     error: str | None = None
     created_at: float = field(default_factory=time.time)
+    copied: int = 0
+    """Bytes of ``files`` the store copied from a base checkpoint instead of receiving them."""
 
     @property
     def bytes(self) -> int:
@@ -123,10 +125,12 @@ class RankManifest:
         doc: dict[str, object] = {
             "format": FORMAT_VERSION, "kind": "rank-manifest", "attempt": self.attempt, "rank": self.rank,
             "world_size": self.world_size, "created_at": self.created_at, "digest_algo": DIGEST_ALGO,
-            "files": [_file_doc(f) for f in self.files],
+            "files": [file_doc(f) for f in self.files],
         }
         if self.error is not None:
             doc["error"] = self.error
+        if self.copied:
+            doc["copied"] = self.copied
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -134,12 +138,12 @@ class RankManifest:
         """Parse manifest bytes; CheckpointError naming ``what`` when malformed."""
         doc = _load_json(data, what, "rank-manifest")
         try:
-            files = tuple(_file_entry(f) for f in doc["files"])
+            files = tuple(file_entry(f) for f in doc["files"])
             twice = sorted(n for n, count in Counter(f.name for f in files).items() if count > 1)
             if twice:
                 raise ValueError(f"file name(s) {twice[:5]} listed more than once")
             return cls(str(doc["attempt"]), int(doc["rank"]), int(doc["world_size"]), files,
-                       doc.get("error"), float(doc["created_at"]))
+                       doc.get("error"), float(doc["created_at"]), int(doc.get("copied", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{what}: malformed manifest ({exc!r})") from None
 
@@ -156,6 +160,8 @@ class CommitMarker:
     committed_at: float = field(default_factory=time.time)
     group_size: int = 0
     """Ranks per group object (0: no group objects, each manifest is read on its own)."""
+    copied: int = 0
+    """Bytes of the files that the store copied from a base checkpoint."""
 
     def encode(self) -> bytes:
         """Canonical JSON bytes."""
@@ -166,6 +172,8 @@ class CommitMarker:
         }
         if self.group_size:
             doc["group_size"] = self.group_size
+        if self.copied:
+            doc["copied"] = self.copied
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -175,7 +183,7 @@ class CommitMarker:
         try:
             marker = cls(check_attempt(str(doc["attempt"])), int(doc["world_size"]),
                          tuple(str(d) for d in doc["manifests"]), int(doc["files"]), int(doc["bytes"]),
-                         float(doc["committed_at"]), int(doc.get("group_size", 0)))
+                         float(doc["committed_at"]), int(doc.get("group_size", 0)), int(doc.get("copied", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{what}: malformed commit marker ({exc!r})") from None
         if len(marker.manifests) != marker.world_size:
@@ -183,6 +191,8 @@ class CommitMarker:
                                   f"world size {marker.world_size}")
         if marker.group_size < 0:
             raise CheckpointError(f"{what}: negative group size {marker.group_size}")
+        if not 0 <= marker.copied <= marker.bytes:
+            raise CheckpointError(f"{what}: {marker.copied} bytes copied of {marker.bytes}")
         return marker
 
 
@@ -210,7 +220,7 @@ def decode_group(data: bytes, what: str, attempt: str, first: int) -> list[bytes
     return payloads
 
 
-def _file_doc(entry: FileEntry) -> dict[str, object]:
+def file_doc(entry: FileEntry) -> dict[str, object]:
     d = entry.digest
     doc: dict[str, object] = {"name": entry.name, "size": d.size, "chunk_size": d.chunk_size, "digest": d.digest}
     if entry.chunks:
@@ -218,7 +228,7 @@ def _file_doc(entry: FileEntry) -> dict[str, object]:
     return doc
 
 
-def _file_entry(doc: dict) -> FileEntry:
+def file_entry(doc: dict) -> FileEntry:
     digest = FileDigest(int(doc["size"]), int(doc["chunk_size"]), str(doc["digest"]))
     chunks = tuple(str(c) for c in doc.get("chunks", ()))
     if chunks and (len(chunks) != -(-digest.size // digest.chunk_size)
@@ -268,5 +278,6 @@ def build_marker(payloads: list[bytes], attempt: str, world_size: int, where: st
     if clashes:
         raise CheckpointError(f"{where}: the same file was written by two ranks: " + ", ".join(clashes))
     marker = CommitMarker(attempt, world_size, tuple(digest_of(p) for p in payloads),
-                          sum(len(m.files) for m in manifests), sum(m.bytes for m in manifests), group_size=group_size)
+                          sum(len(m.files) for m in manifests), sum(m.bytes for m in manifests), group_size=group_size,
+                          copied=sum(m.copied for m in manifests))
     return marker, manifests

@@ -40,6 +40,7 @@ from ..uri import StorageURI, parse_uri
 from .attempt import ATTEMPT_TAG, attempt_from_env, new_attempt_id
 from .barrier import Barrier
 from .barrier_store import default_barrier
+from .base import BaseCheckpoint, encode_none, resolve_base
 from .commit import Commit, CommitResult
 from .manifest import FileEntry, check_attempt, check_name, meta_prefix, rank_key, replaced_note_key
 
@@ -60,6 +61,11 @@ class CheckpointWriter(Commit):
     new on every restart; by default it comes from the environment (``attempt_from_env``), else rank
     0 draws one and sends it through the barrier (not possible with the store barrier, which needs
     it given). ``store`` reuses an open store (not closed here).
+
+    ``base`` makes the checkpoint incremental: a committed checkpoint in the same bucket (a URI, ``"latest"``: the
+    newest committed one beside ``uri``, or a ``BaseCheckpoint`` read already); files and parts of files that hold
+    the same bytes as the base's file of the same name are copied by the store instead of sent. Rank 0 reads the
+    base and hands it to the others through the barrier. The new checkpoint stays whole on its own.
     """
 
     def __init__(
@@ -73,6 +79,7 @@ class CheckpointWriter(Commit):
         config: TransferConfig | None = None,
         store: Store | None = None,
         progress: ProgressCallback | None = None,
+        base: str | StorageURI | BaseCheckpoint | None = None,
     ) -> None:
         self.uri = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
         if self.uri.backend == "delegate":
@@ -88,6 +95,10 @@ class CheckpointWriter(Commit):
         self._transfer: Transfer | None = None
         self._entries: dict[str, FileEntry | None] = {}
         self._existing: set[str] | None = None
+        self._base_arg = base
+        self.base: BaseCheckpoint | None = None
+        """The base checkpoint, once agreed (None: every byte is sent)."""
+        self._handed_copied = 0
         self._closed = False
         self.result: CommitResult | None = None
         """Set on every rank once the checkpoint is committed."""
@@ -100,6 +111,7 @@ class CheckpointWriter(Commit):
             self.barrier.check_world(self._rv)
             await self._refuse_committed()
             self._attempt = self._attempt or attempt_from_env() or await self._agree_attempt()
+            self.base = await self._agree_base()
             self._transfer = Transfer(self._store, self.config, self._progress)
         except BaseException as exc:
             if isinstance(exc, Exception):  # the other ranks learn of it now, not at their barrier timeout
@@ -143,6 +155,31 @@ class CheckpointWriter(Commit):
         proposal = new_attempt_id().encode() if self.rank == 0 else None
         return check_attempt((await self.barrier.broadcast(self._rv, ATTEMPT_TAG, proposal)).decode())
 
+    async def _agree_base(self) -> BaseCheckpoint | None:
+        """The base checkpoint: read by rank 0 and handed to the others (a failure there fails every rank)."""
+        base = self._base_arg
+        if base is None or isinstance(base, BaseCheckpoint):
+            return base
+        if self.world_size == 1:
+            return await resolve_base(self._rv.store, self.uri, base)
+        tag = f"{self.attempt}/base"
+        if self.rank != 0:
+            return BaseCheckpoint.decode(await self.barrier.broadcast(self._rv, tag, None),
+                                         f"base of checkpoint {self.uri.raw} (from rank 0)")
+        try:
+            found = await resolve_base(self._rv.store, self.uri, base)
+        except Exception as exc:
+            with contextlib.suppress(Exception):  # the others learn it now; the error itself is raised here
+                await self.barrier.broadcast(self._rv, tag, encode_none(f"rank 0 could not read the base: {exc}"))
+            raise
+        await self.barrier.broadcast(self._rv, tag, found.encode() if found is not None else encode_none())
+        return found
+
+    @property
+    def _copied(self) -> int:
+        """Bytes of this rank's files the store copied from the base."""
+        return self._handed_copied + (self._transfer.reuse.copied if self._transfer is not None else 0)
+
     def _active(self) -> Transfer:
         if self._transfer is None or self._closed:
             raise CheckpointError("CheckpointWriter is used outside its 'async with' block")
@@ -174,14 +211,17 @@ class CheckpointWriter(Commit):
             todo = [(p, self.uri.join(n)) for (p, _), n in zip(pairs, names, strict=True)]
             paths = {k: p for p, k in todo}
             kept = await self._clear_leftovers(list(paths), lambda k: transfer.holds_file(paths[k], k))
+            bases = {} if self.base is None else {k: b for n, (_, k) in zip(names, todo, strict=True)
+                                                  if (b := self.base.object(n)) is not None}
             async with self._not_replacing():
-                sent = iter(await transfer.upload_files([pk for pk in todo if pk[1] not in kept], if_absent=True))
+                sent = iter(await transfer.upload_files([pk for pk in todo if pk[1] not in kept], if_absent=True,
+                                                        bases=bases))
             results = [kept[k] if k in kept else next(sent) for _, k in todo]
         except BaseException:
             self._unreserve(names)
             raise
         for name, res in zip(names, results, strict=True):
-            self._entries[name] = FileEntry(name, res.digest)
+            self._entries[name] = FileEntry(name, res.digest, tuple(c.hex() for c in res.chunks))
         return results
 
     async def put_layout(self, name: str, layout: Layout) -> FileResult:
@@ -200,7 +240,8 @@ class CheckpointWriter(Commit):
 
             if key not in await self._clear_leftovers([key], holds):
                 async with self._not_replacing():
-                    await upload_layout(transfer, layout, key, if_absent=True, chunks=chunks)
+                    base = self.base.object(name) if self.base is not None else None
+                    await upload_layout(transfer, layout, key, if_absent=True, chunks=chunks, base=base)
         except BaseException:
             self._unreserve([name])
             raise
@@ -222,9 +263,10 @@ class CheckpointWriter(Commit):
             if self._entries.get(n) is None:
                 self._entries.pop(n, None)
 
-    def record_written(self, entries: tuple[FileEntry, ...]) -> None:
-        """Count files this rank wrote through an earlier writer of the same attempt that handed off (the
-        commit still checks that each holds what ``entries`` record)."""
+    def record_written(self, entries: tuple[FileEntry, ...], copied: int = 0) -> None:
+        """Count files this rank wrote through an earlier writer of the same attempt that handed off (``copied``
+        of their bytes by the store; the commit still checks that each holds what ``entries`` record)."""
+        self._handed_copied += copied
         for entry in entries:
             self._reserve(entry.name)
             self._entries[entry.name] = entry

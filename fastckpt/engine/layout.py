@@ -18,6 +18,7 @@ from ..tasks import gather_all
 from ..threads import off_loop
 from ..transport import Buffer
 from .plan import plan_upload
+from .reuse import BaseObject, same_parts
 from .transfer import Transfer
 
 
@@ -83,17 +84,22 @@ async def hash_layout(layout: Layout, chunk_size: int) -> list[bytes]:
 
 
 async def upload_layout(transfer: Transfer, layout: Layout, key: str, *, if_absent: bool = False,
-                        chunks: list[bytes] | None = None) -> tuple[FileDigest, list[bytes]]:
+                        chunks: list[bytes] | None = None, base: BaseObject | None = None
+                        ) -> tuple[FileDigest, list[bytes]]:
     """Store ``layout`` as object ``key``; returns its digest and chunk digests (``chunks``: known already,
-    one per upload part). Parts are sent straight from the layout's views where they can be;
-    a failed multipart upload is aborted. With ``if_absent``, an object already at ``key`` fails the upload
-    (AlreadyExistsError) unless it holds exactly these bytes."""
+    one per upload part). Parts are sent straight from the layout's views where they can be, and copied by the
+    store from ``base`` where it holds the same bytes (``engine.reuse``); a failed multipart upload is aborted.
+    With ``if_absent``, an object already at ``key`` fails the upload (AlreadyExistsError) unless it holds
+    exactly these bytes."""
     store, config = transfer.store, transfer.config
     plan = plan_upload(layout.size, config, store)
     chunks = chunks if chunks is not None else await hash_layout(layout, plan.part_size)
     digest = FileDigest(layout.size, plan.part_size, combine(chunks))
     meta = digest.metadata() if config.digest_metadata else None
-    if not plan.multipart:
+    base = same_parts(base, digest, chunks)
+    if base is not None and await _copied_whole(transfer, key, base, digest, if_absent, meta):
+        return digest, chunks
+    if not plan.multipart and not (base is not None and base.digest == digest and store.local_file(key)):
         pieces = layout.pieces(0, layout.size)
         data: Buffer = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         try:
@@ -112,7 +118,11 @@ async def upload_layout(transfer: Transfer, layout: Layout, key: str, *, if_abse
         offset, length = plan.part(index)
         pieces = layout.pieces(offset, length)
         async with slots:
-            if len(pieces) == 1:
+            copied = None if base is None else await transfer.reuse.copy_part(
+                mpu, base, index, offset, length, chunks[index], plan.part_size)
+            if copied is not None:
+                info = copied
+            elif len(pieces) == 1:
                 info = await mpu.put_part(index, pieces[0])
             else:
                 async with transfer.pool.buffer(length) as buf:
@@ -132,6 +142,21 @@ async def upload_layout(transfer: Transfer, layout: Layout, key: str, *, if_abse
         await asyncio.shield(transfer.abort_upload(mpu))
         raise
     return digest, chunks
+
+
+async def _copied_whole(transfer: Transfer, key: str, base: BaseObject, digest: FileDigest, if_absent: bool,
+                        meta: dict[str, str] | None) -> bool:
+    """Whether ``key`` was written as the store's copy of ``base`` (an object already there holding exactly
+    ``digest`` counts, as for an upload)."""
+    try:
+        copied = await transfer.reuse.copy_whole(key, base, digest, if_absent=if_absent, metadata=meta)
+    except AlreadyExistsError:
+        if not await transfer.holds_digest(key, digest):
+            raise
+        return True
+    if copied:
+        transfer.progress.advance(digest.size)
+    return copied
 
 
 async def read_layout(transfer: Transfer, key: str, start: int, layout: Layout, chunk_size: int) -> list[bytes]:

@@ -15,6 +15,7 @@ from ..stores.retry import retrying
 from ..threads import start_io_threads
 from .pool import BufferPool
 from .progress import Progress, ProgressCallback
+from .reuse import Reuse
 from .sink import RING
 
 
@@ -25,6 +26,8 @@ class FileResult:
     key: str
     path: str
     digest: FileDigest
+    chunks: tuple[bytes, ...] = ()
+    """Its chunk digests, where the transfer learnt them."""
 
 
 class TransferSession:
@@ -47,6 +50,8 @@ class TransferSession:
         self._local_copies = asyncio.Semaphore(self._copy_slots)
         self._file_parts = asyncio.Semaphore(self.config.max_in_flight)
         """Parts sent from their files at once (no buffer bounds them)."""
+        self.reuse = Reuse(self.store)
+        """Base objects' bytes copied by the store (incremental checkpoints)."""
         self._send_files = True
         """Whether parts may be sent from their files (until a filesystem refuses a mapping or ``sendfile``)."""
 

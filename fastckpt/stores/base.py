@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ..errors import ObjectNotFoundError
+from ..errors import CopyUnsupportedError, ObjectNotFoundError
 from ..transport import Buffer, BufferReceiver, FileRange, Receiver
 from ..uri import StorageURI
 
@@ -51,6 +51,18 @@ class PartInfo:
     index: int
     size: int
     token: str = ""
+
+
+@dataclass(frozen=True)
+class CopySource:
+    """Bytes of an existing object a server-side copy takes: ``length`` bytes of ``key`` from ``start``, of the
+    object's version ``etag`` (what ``head`` reported: ETag, generation, file version). A copy of any other version
+    raises SourceChangedError and copies nothing."""
+
+    key: str
+    etag: str
+    start: int
+    length: int
 
 
 @dataclass(frozen=True)
@@ -96,6 +108,12 @@ class MultipartUpload(abc.ABC):
         """Whether ``put_part`` takes a ``FileRange`` of an open file, sent from it by the kernel (the bytes never
         pass through a buffer); False: buffers only."""
         return False
+
+    async def copy_part(self, index: int, source: CopySource) -> PartInfo:
+        """Part ``index`` copied by the store from ``source`` (its bytes never reach this process); SourceChangedError
+        or ObjectNotFoundError when the source is not that version any more, CopyUnsupportedError where the backend
+        or its server cannot copy that range (the caller sends the bytes instead)."""
+        raise CopyUnsupportedError(f"{type(self).__name__} cannot copy parts", key=self.key)
 
     def local_fd(self) -> int | None:
         """A file descriptor part ``index`` may be written to directly at ``index * part_size`` (an upload into a
@@ -152,6 +170,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def head(self, key: str) -> ObjectMeta:
         """Metadata of ``key``; ObjectNotFoundError when absent."""
+
+    async def exists(self, key: str) -> bool:
+        """Whether object ``key`` exists."""
+        try:
+            await self.head(key)
+        except ObjectNotFoundError:
+            return False
+        return True
 
     @abc.abstractmethod
     async def get_range(self, key: str, start: int, length: int) -> bytes:
@@ -271,6 +297,24 @@ class Store(abc.ABC):
         """Remove all ``keys``."""
         for key in keys:
             await self.delete(key)
+
+    async def copy(self, key: str, source: CopySource, *, if_absent: bool = False,
+                   metadata: dict[str, str] | None = None) -> None:
+        """Write ``key`` whole as a copy the store makes of ``source`` (its whole object), with ``metadata``; errors
+        as ``MultipartUpload.copy_part``, and AlreadyExistsError as ``put``. By default one upload whose parts are
+        copied (``copy_part``); a backend with a one-request copy overrides this."""
+        if source.length <= 0:
+            raise CopyUnsupportedError(f"copy of {source.key}: an empty object is written, not copied", key=key)
+        part = max(self.min_part_size, -(-source.length // self.max_parts), min(source.length, self.max_part_size))
+        mpu = await self.create_multipart(key, part, metadata, if_absent=if_absent)
+        try:
+            parts = [await mpu.copy_part(i, CopySource(source.key, source.etag, source.start + o,
+                                                       min(part, source.length - o)))
+                     for i, o in enumerate(range(0, source.length, part))]
+            await mpu.complete(parts, metadata)
+        except BaseException:
+            await mpu.abort()
+            raise
 
     @abc.abstractmethod
     async def create_multipart(

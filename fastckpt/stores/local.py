@@ -13,13 +13,20 @@ import secrets
 from collections.abc import AsyncIterator
 
 from ..config import TransferConfig
-from ..errors import AccessDeniedError, AlreadyExistsError, ObjectNotFoundError, StoreError
+from ..errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    CopyUnsupportedError,
+    ObjectNotFoundError,
+    SourceChangedError,
+    StoreError,
+)
 from ..fileio import read_exact, write_at
 from ..integrity import hash_chunks
 from ..threads import off_loop
 from ..transport import Buffer
 from ..uri import StorageURI, check_options
-from .base import MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix, read_range
+from .base import CopySource, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix, read_range
 
 TMP_SUFFIX = ".fastckpt-part"
 _XATTR = "user.fastckpt."
@@ -73,6 +80,37 @@ def _get_xattrs(path: str) -> dict[str, str]:
         return {}
 
 
+def version_of(st: os.stat_result) -> str:
+    """A file's version tag (its ETag here): inode, size and modification time."""
+    return f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
+
+
+def _copy_range(source: CopySource, src_path: str, fd: int, offset: int) -> None:
+    """On an I/O thread: ``source`` copied inside the kernel (``copy_file_range``: a reflink where the filesystem
+    shares blocks) into ``fd`` at ``offset``; SourceChangedError when the file is not that version, before or after."""
+    try:
+        src = os.open(src_path, os.O_RDONLY)
+    except OSError as exc:
+        raise _translate(exc, src_path) from exc
+    try:
+        if version_of(os.fstat(src)) != source.etag:
+            raise SourceChangedError(f"{src_path} changed since it was read (copy source)", key=source.key)
+        done = 0
+        while done < source.length:
+            n = os.copy_file_range(src, fd, source.length - done, source.start + done, offset + done)
+            if n == 0:
+                raise StoreError(f"copy of {src_path}: end of file at byte {source.start + done}", key=source.key)
+            done += n
+        if version_of(os.fstat(src)) != source.etag:
+            raise SourceChangedError(f"{src_path} changed while it was copied", key=source.key)
+    except OSError as exc:
+        if exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            raise CopyUnsupportedError(f"copy_file_range from {src_path}: {exc}", key=source.key) from exc
+        raise
+    finally:
+        os.close(src)
+
+
 def _publish(tmp: str, path: str, if_absent: bool) -> None:
     """Move the finished ``tmp`` to ``path``: a hard link when ``if_absent`` (atomic create-if-absent,
     also on NFS; FileExistsError if ``path`` exists, ``tmp`` is then left for the caller), else a rename."""
@@ -109,6 +147,15 @@ class LocalUpload(MultipartUpload):
             return len(data) == size and hash_chunks(data, size)[0].hex() == digest
 
         return PartInfo(index, size) if await off_loop(check) else None
+
+    async def copy_part(self, index: int, source: CopySource) -> PartInfo:
+        fd = self._fd
+        if fd is None:
+            raise StoreError(f"multipart upload of {self._path} is no longer active")
+        if not hasattr(os, "copy_file_range"):
+            raise CopyUnsupportedError("this platform has no copy_file_range", key=self.key)
+        await off_loop(_copy_range, source, self._store.path(source.key), fd, index * self._part_size)
+        return PartInfo(index, source.length)
 
     async def put_part(self, index: int, data: Buffer) -> PartInfo:
         fd = self._fd
@@ -194,7 +241,7 @@ class LocalStore(Store):
             raise _translate(exc, path) from exc
         if not os.path.isfile(path):
             raise ObjectNotFoundError(f"{path} is not a file")
-        return ObjectMeta(key, st.st_size, st.st_mtime, None, _get_xattrs(path))
+        return ObjectMeta(key, st.st_size, st.st_mtime, version_of(st), _get_xattrs(path))
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
         return await read_range(self, key, start, length)
@@ -255,7 +302,7 @@ class LocalStore(Store):
         top = self.path(prefix)
         entries = await off_loop(self._walk, top)
         for path, st in entries:
-            yield ObjectMeta(self.key(path), st.st_size, st.st_mtime)
+            yield ObjectMeta(self.key(path), st.st_size, st.st_mtime, version_of(st))
 
     @staticmethod
     def _walk(top: str) -> list[tuple[str, os.stat_result]]:
@@ -287,7 +334,7 @@ class LocalStore(Store):
                     dirs.append(self.key(entry.path))
                 elif not _is_tmp(entry.name):
                     st = entry.stat()
-                    objects.append(ObjectMeta(self.key(entry.path), st.st_size, st.st_mtime))
+                    objects.append(ObjectMeta(self.key(entry.path), st.st_size, st.st_mtime, version_of(st)))
             return objects, dirs
 
         return await off_loop(scan)

@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ..config import TransferConfig
-from ..errors import AlreadyExistsError, ObjectNotFoundError, StoreError
+from ..errors import AlreadyExistsError, ObjectNotFoundError, SourceChangedError, StoreError
 from ..integrity import hash_chunks
 from ..transport import Buffer
 from ..uri import StorageURI, check_options
-from .base import MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
+from .base import CopySource, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
 
 
 @dataclass
@@ -24,6 +24,7 @@ class _Object:
     data: bytes
     metadata: dict[str, str]
     mtime: float
+    version: str = field(default_factory=lambda: f"v{next(_versions)}")
 
 
 @dataclass
@@ -34,6 +35,7 @@ class _Bucket:
 
 _BUCKETS: dict[str, _Bucket] = {}
 _ids = itertools.count(1)
+_versions = itertools.count(1)
 
 
 class MemoryUpload(MultipartUpload):
@@ -51,6 +53,12 @@ class MemoryUpload(MultipartUpload):
             raise StoreError(f"multipart upload of {self.key!r} is no longer active")
         self._parts[index] = bytes(data)
         return PartInfo(index, len(data))
+
+    async def copy_part(self, index: int, source: CopySource) -> PartInfo:
+        if self.upload_id not in self._bucket.pending:
+            raise StoreError(f"multipart upload of {self.key!r} is no longer active")
+        self._parts[index] = _source_bytes(self._bucket, source)
+        return PartInfo(index, source.length)
 
     async def stored_part(self, index: int, size: int, token: str, digest: str) -> PartInfo | None:
         data = self._parts.get(index)
@@ -75,6 +83,20 @@ class MemoryUpload(MultipartUpload):
         self._parts.clear()
 
 
+def _source_bytes(bucket: _Bucket, source: CopySource) -> bytes:
+    """The bytes ``source`` names, of the version it names."""
+    obj = bucket.objects.get(source.key)
+    if obj is None:
+        raise ObjectNotFoundError(f"memory://{source.key} (copy source) does not exist", key=source.key)
+    if obj.version != source.etag:
+        raise SourceChangedError(f"memory://{source.key} is version {obj.version}, not {source.etag}",
+                                 key=source.key)
+    if source.start + source.length > len(obj.data):
+        raise StoreError(f"copy of memory://{source.key}: {source.start}+{source.length} is beyond its "
+                         f"{len(obj.data)} bytes", key=source.key)
+    return obj.data[source.start:source.start + source.length]
+
+
 class MemoryStore(Store):
     """Objects in a process-global dict keyed by bucket name."""
 
@@ -93,7 +115,7 @@ class MemoryStore(Store):
 
     async def head(self, key: str) -> ObjectMeta:
         obj = self._get(key)
-        return ObjectMeta(key, len(obj.data), obj.mtime, None, dict(obj.metadata))
+        return ObjectMeta(key, len(obj.data), obj.mtime, obj.version, dict(obj.metadata))
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
         await asyncio.sleep(0)
@@ -106,12 +128,17 @@ class MemoryStore(Store):
             raise AlreadyExistsError(f"memory://{self.bucket}/{key} already exists")
         self._b.objects[key] = _Object(bytes(data), dict(metadata or {}), time.time())
 
+    async def copy(self, key: str, source: CopySource, *, if_absent: bool = False,
+                   metadata: dict[str, str] | None = None) -> None:
+        data = _source_bytes(self._b, source)
+        await self.put(key, data, if_absent=if_absent, metadata=metadata)
+
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectMeta]:
         for key in sorted(self._b.objects):
             if in_prefix(key, prefix):
                 obj = self._b.objects.get(key)
                 if obj is not None:
-                    yield ObjectMeta(key, len(obj.data), obj.mtime, None, dict(obj.metadata))
+                    yield ObjectMeta(key, len(obj.data), obj.mtime, obj.version, dict(obj.metadata))
 
     async def delete(self, key: str) -> None:
         self._b.objects.pop(key, None)

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 from ..config import TransferConfig
 from ..errors import ThrottledError, TransientStoreError
 from ..transport import Buffer, FileRange, Receiver, body_size
-from .base import ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
+from .base import CopySource, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
 from .classify import EndpointUnreachableError
 from .throttle import AdaptiveLimit, endpoint_limit
 
@@ -226,6 +226,11 @@ class RetryingStore(Store):
     async def delete_many(self, keys: list[str]) -> None:
         await self.retry(f"delete of {len(keys)} objects", lambda: self.inner.delete_many(keys))
 
+    async def copy(self, key: str, source: CopySource, *, if_absent: bool = False,
+                   metadata: dict[str, str] | None = None) -> None:
+        await self.retry(f"copy of {source.key} to {key}", lambda: self.inner.copy(
+            key, source, if_absent=if_absent, metadata=metadata))
+
     async def create_multipart(
         self, key: str, part_size: int, metadata: dict[str, str] | None = None, *, if_absent: bool = False
     ) -> MultipartUpload:
@@ -258,6 +263,10 @@ class _RetryingUpload(MultipartUpload):
     async def put_part(self, index: int, data: Buffer | FileRange) -> PartInfo:
         return await self._store.retry_data(f"upload of {self.key} (part {index})", body_size(data),
                                             lambda: self._inner.put_part(index, data))
+
+    async def copy_part(self, index: int, source: CopySource) -> PartInfo:
+        return await self._store.retry(f"copy of {source.key} into {self.key} (part {index})",
+                                       lambda: self._inner.copy_part(index, source))
 
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
         await self._store.retry(f"completion of {self.key}", lambda: self._inner.complete(parts, metadata))

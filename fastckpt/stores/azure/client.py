@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import re
 from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta, timezone
 from email.utils import formatdate
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -16,6 +17,7 @@ import aiohttp
 from azure.core.exceptions import ClientAuthenticationError
 from azure.core.pipeline import PipelineContext, PipelineRequest
 from azure.core.pipeline.transport import AioHttpTransport, HttpRequest
+from azure.storage.blob import BlobSasPermissions, generate_blob_sas
 from azure.storage.blob import __version__ as VERSION
 from azure.storage.blob.aio import BlobClient, ContainerClient
 
@@ -168,6 +170,24 @@ class AzureClient:
             raise self.errors.answer(resp.status, resp.headers.get("x-ms-error-code", ""),
                                      reason[1].decode("utf-8", "replace") if reason else "", key)
         return resp
+
+    async def copy_source(self, key: str) -> dict[str, str]:
+        """Headers that name blob ``key`` of this container as the source of a copy the service makes, with what
+        authorizes the service to read it: a SAS (the one given, or one signed here with the account key), or the
+        credential's token."""
+        url = f"{self.options.url}/{self.container}/{quote(key, safe='/~')}"
+        opts = self.options
+        if opts.kind == "sas":
+            return {"x-ms-copy-source": f"{url}?{opts.secret}"}
+        if opts.kind == "key":
+            sas = generate_blob_sas(opts.account, self.container, key, account_key=opts.secret,
+                                    permission=BlobSasPermissions(read=True),
+                                    expiry=datetime.now(timezone.utc) + timedelta(hours=1))
+            return {"x-ms-copy-source": f"{url}?{sas}"}
+        if self._credential is not None:
+            token = await self._credential.get_token("https://storage.azure.com/.default")
+            return {"x-ms-copy-source": url, "x-ms-copy-source-authorization": f"Bearer {token.token}"}
+        return {"x-ms-copy-source": url}
 
     async def close(self) -> None:
         await self.data.close()

@@ -8,9 +8,9 @@ import secrets
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from ...errors import StoreError
+from ...errors import CopyUnsupportedError, ObjectNotFoundError, SourceChangedError, StoreError
 from ...transport import Buffer
-from ..base import MultipartUpload, PartInfo
+from ..base import CopySource, MultipartUpload, PartInfo
 from .client import encode_metadata
 
 if TYPE_CHECKING:
@@ -51,6 +51,26 @@ class AzureUpload(MultipartUpload):
         encoded = quote(base64.b64encode(block_id.encode()).decode(), safe="")
         await self._client.send("PUT", self.key, f"comp=block&blockid={encoded}", headers, body=data)
         return PartInfo(index, len(data), block_id)
+
+    async def copy_part(self, index: int, source: CopySource) -> PartInfo:
+        """Put Block From URL: the service reads the block from ``source``, conditional on its ETag."""
+        self._check_open()
+        block_id = self.block_id(index)
+        headers = {"Content-Length": "0", **await self._client.copy_source(source.key),
+                   "x-ms-source-range": f"bytes={source.start}-{source.start + source.length - 1}",
+                   "x-ms-source-if-match": source.etag}
+        encoded = quote(base64.b64encode(block_id.encode()).decode(), safe="")
+        try:
+            await self._client.send("PUT", self.key, f"comp=block&blockid={encoded}", headers)
+        except StoreError as exc:
+            if exc.status == 412:
+                raise SourceChangedError(f"{self._client.errors.url(source.key)} is no longer ETag {source.etag} "
+                                         "(copy source)", key=source.key, backend="azure", status=412) from exc
+            if exc.status in (400, 403, 501) and not isinstance(exc, ObjectNotFoundError):
+                raise CopyUnsupportedError(f"Put Block From URL refused: {exc}", key=self.key, backend="azure",
+                                           status=exc.status) from exc
+            raise
+        return PartInfo(index, source.length, block_id)
 
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
         self._check_open()

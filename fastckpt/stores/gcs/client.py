@@ -219,10 +219,12 @@ class GCSClient:
         return result
 
     async def compose(self, key: str, sources: list[str], metadata: dict[str, str] | None = None, *,
-                      if_absent: bool = False) -> dict[str, Any]:
+                      if_absent: bool = False, generations: list[str] | None = None) -> dict[str, Any]:
         """Compose up to 32 ``sources`` (in order) into ``key`` with ``metadata`` (``ifGenerationMatch=0``
-        with ``if_absent``)."""
-        payload = {"sourceObjects": [{"name": s} for s in sources],
+        with ``if_absent``; ``generations``: each source only as that generation)."""
+        conditions = [{"objectPreconditions": {"ifGenerationMatch": g}} for g in generations or []]
+        payload = {"sourceObjects": [{"name": s, **c} for s, c in zip(sources, conditions or [{}] * len(sources),
+                                                                       strict=True)],
                    "destination": {"contentType": CONTENT_TYPE, "metadata": metadata or {}}}
         url = f"{self.endpoint}/storage/v1/b/{self.bucket}/o/{quote(key, safe='')}/compose"
         params = {"ifGenerationMatch": "0"} if if_absent else None

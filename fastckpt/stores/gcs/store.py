@@ -9,10 +9,10 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote
 
-from ...errors import ObjectNotFoundError, StoreError
+from ...errors import AlreadyExistsError, CopyUnsupportedError, ObjectNotFoundError, SourceChangedError, StoreError
 from ...tasks import gather_bounded
 from ...transport import Buffer, Receiver
-from ..base import ListPage, NamedUploadStore, ObjectMeta, PendingUpload, in_prefix
+from ..base import CopySource, ListPage, NamedUploadStore, ObjectMeta, PendingUpload, in_prefix
 from ..conditional import IfAbsentGuard, probe
 from ..datapath import ranged
 from .client import GCSClient
@@ -35,8 +35,10 @@ def _parse_time(text: str | None) -> float:
 
 
 def _meta(item: dict[str, Any]) -> ObjectMeta:
-    return ObjectMeta(item["name"], int(item.get("size", 0)), _parse_time(item.get("updated")), item.get("etag"),
-                      dict(item.get("metadata") or {}))
+    """An object resource as ObjectMeta; its version (``etag``) is its generation: what a copy is conditional on."""
+    version = item.get("generation") or item.get("etag")
+    return ObjectMeta(item["name"], int(item.get("size", 0)), _parse_time(item.get("updated")),
+                      str(version) if version else None, dict(item.get("metadata") or {}))
 
 
 class GCSStore(NamedUploadStore):
@@ -121,6 +123,31 @@ class GCSStore(NamedUploadStore):
     async def head(self, key: str) -> ObjectMeta:
         return _meta(await self.client.call(self.client.url(key), lambda c, h: c.download_metadata(
             self.bucket, key, headers=h, timeout=self.client.timeout), key=key))  # type: ignore[arg-type]
+
+    async def copy(self, key: str, source: CopySource, *, if_absent: bool = False,
+                   metadata: dict[str, str] | None = None) -> None:
+        """A compose of one source object (whole objects only), conditional on its generation. GCS answers 412 for
+        a destination that exists (``if_absent``) and for a source of another generation alike: the destination
+        tells which."""
+        found = await self.head(source.key)
+        if found.etag != source.etag:
+            raise SourceChangedError(f"{self.client.url(source.key)} is generation {found.etag}, not {source.etag} "
+                                     "(copy source)", key=source.key, backend="gcs")
+        if source.start or source.length != found.size:
+            raise CopyUnsupportedError(f"GCS copies whole objects only, not {source.start}+{source.length} of "
+                                       f"{self.client.url(source.key)}", key=source.key, backend="gcs")
+        if if_absent:
+            await self.check_compose_if_absent(key)
+        try:
+            await self.client.compose(key, [source.key], metadata, if_absent=if_absent, generations=[source.etag])
+        except StoreError as exc:
+            if exc.status != 412 and not isinstance(exc, AlreadyExistsError):
+                raise
+            if if_absent and await self.exists(key):
+                raise AlreadyExistsError(f"{self.client.url(key)} already exists", key=key, backend="gcs",
+                                         status=412) from exc
+            raise SourceChangedError(f"{self.client.url(source.key)} is no longer generation {source.etag} "
+                                     "(copy source)", key=source.key, backend="gcs", status=412) from exc
 
     async def receive(self, key: str, start: int, length: int, into: Receiver) -> int:
         """One ranged media GET on the HTTP data path, its body received straight by ``into``."""

@@ -1,0 +1,103 @@
+"""The base of an incremental checkpoint: a committed checkpoint whose unchanged bytes a new one has the store copy.
+
+``resolve_base`` reads the base once (its marker and manifests; ``"latest"``: the newest committed checkpoint beside
+the new one) into a ``BaseCheckpoint``, which travels to the other ranks as bytes (the barrier's broadcast, or a DCP
+plan). Nothing of the new checkpoint refers to the base: the copies are its own objects under its own names.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from dataclasses import dataclass
+
+from ..engine.reuse import BaseObject
+from ..errors import CheckpointError
+from ..stores.base import Store
+from ..tasks import gather_bounded
+from ..uri import StorageURI, join_key, parse_uri
+from .catalog import COMMITTED, SCAN_CONCURRENCY, candidates, info_of
+from .manifest import FileEntry, file_doc, file_entry
+from .reader import load
+
+LATEST = "latest"
+_KIND = "fastckpt-base"
+
+
+@dataclass(frozen=True)
+class BaseCheckpoint:
+    """A committed checkpoint's files (name -> what its manifests record), read once for a new checkpoint."""
+
+    uri: str
+    key: str
+    files: dict[str, FileEntry]
+
+    def object(self, name: str) -> BaseObject | None:
+        """File ``name`` of the base, when it has one."""
+        entry = self.files.get(name)
+        if entry is None:
+            return None
+        return BaseObject(join_key(self.key, name), entry.digest, tuple(bytes.fromhex(c) for c in entry.chunks))
+
+    def encode(self) -> bytes:
+        """Bytes for the other ranks."""
+        return json.dumps({"kind": _KIND, "uri": self.uri, "key": self.key,
+                           "files": [file_doc(e) for e in self.files.values()]}, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes, what: str) -> BaseCheckpoint | None:
+        """The base ``encode`` wrote (None: no base); CheckpointError with the root's error, or when malformed."""
+        try:
+            doc = json.loads(data)
+            if doc.get("kind") != _KIND:
+                raise ValueError("not a base document")
+            if "error" in doc:
+                raise CheckpointError(f"{what}: {doc['error']}")
+            if doc.get("uri") is None:
+                return None
+            files = [file_entry(f) for f in doc["files"]]
+            return cls(str(doc["uri"]), str(doc["key"]), {f.name: f for f in files})
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{what}: malformed base document ({exc!r})") from None
+
+
+def encode_none(error: str | None = None) -> bytes:
+    """The document for the other ranks when there is no base (``error``: resolving it failed)."""
+    doc: dict[str, object] = {"kind": _KIND, "uri": None}
+    if error is not None:
+        doc["error"] = error
+    return json.dumps(doc).encode()
+
+
+async def resolve_base(store: Store, target: StorageURI, base: str | StorageURI) -> BaseCheckpoint | None:
+    """The committed checkpoint ``base`` names for a new checkpoint at ``target`` on ``store``: a URI in the same
+    bucket, or ``"latest"`` (the newest committed checkpoint beside ``target``; None when there is none yet)."""
+    if isinstance(base, str) and base == LATEST:
+        found = await _latest_beside(store, target)
+        if found is None:
+            return None
+        where = target.with_key(found)
+    else:
+        where = parse_uri(base) if isinstance(base, str) else base
+        if (where.backend, where.bucket) != (target.backend, target.bucket):
+            raise ValueError(f"base {where.raw} is not in the bucket of {target.raw}: a store copies only within "
+                             "itself")
+    if where.key.strip("/") == target.key.strip("/"):
+        raise ValueError(f"base {where.raw} is the checkpoint being written")
+    ckpt = await load(store, where, allow_uncommitted=False)
+    if ckpt.problems:
+        raise CheckpointError(f"base checkpoint {where.raw} is corrupt: {ckpt.problems[0].name}: "
+                              f"{ckpt.problems[0].reason}")
+    files = {name: FileEntry(name, digest, ckpt.chunks.get(name, ()))
+             for name, digest in ckpt.files.items() if digest is not None}
+    return BaseCheckpoint(where.uri(), ckpt.key, files)
+
+
+async def _latest_beside(store: Store, target: StorageURI) -> str | None:
+    """Key of the newest committed checkpoint in ``target``'s parent, ``target`` itself excluded."""
+    parent = posixpath.dirname(target.key.strip("/"))
+    found = [(k, m) for k, m in await candidates(store, parent) if k.strip("/") != target.key.strip("/")]
+    infos = await gather_bounded([info_of(store, target, k, metas) for k, metas in found], SCAN_CONCURRENCY)
+    committed = [(i.committed_at or 0.0, i.name, k) for i, (k, _) in zip(infos, found, strict=True)
+                 if i.state == COMMITTED]
+    return max(committed)[2] if committed else None

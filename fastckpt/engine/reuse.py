@@ -1,0 +1,127 @@
+"""Bytes a new object shares with a base object, copied by the store instead of sent (incremental checkpoints).
+
+A file whose digest equals its base's is copied whole; a part whose chunk digest equals the base's chunk at the
+same index (same chunk size, same length) is copied into the upload (``MultipartUpload.copy_part``). A copy is
+trusted only from the base object's version whose recorded digest matches what the base's manifest holds (``head``
+reports the version, the copy is conditional on it), and on local stores only after the copied range is hashed
+again. Anything else (a backend or server that cannot copy, a base changed or gone since) sends the bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..errors import CopyUnsupportedError, ObjectNotFoundError, SourceChangedError
+from ..integrity import FileDigest
+from ..stores.base import CopySource, MultipartUpload, PartInfo, Store
+from ..threads import off_loop
+from .sink import hash_file_range
+
+log = logging.getLogger("fastckpt")
+NOT_COPIED = (CopyUnsupportedError, SourceChangedError, ObjectNotFoundError)
+"""What makes a copy fall back to sending the bytes."""
+
+
+@dataclass(frozen=True)
+class BaseObject:
+    """An object of the base checkpoint: its key and what its manifest recorded (``chunks``: chunk digests, when
+    recorded)."""
+
+    key: str
+    digest: FileDigest
+    chunks: tuple[bytes, ...] = ()
+
+    def chunk(self, index: int, chunk_size: int, length: int) -> bytes | None:
+        """The digest of the base's part ``index`` when it has parts of ``chunk_size`` and that part is ``length``
+        bytes long; None otherwise."""
+        d = self.digest
+        if d.chunk_size != chunk_size or index >= len(self.chunks) or min(chunk_size, d.size - index * chunk_size) \
+                != length:
+            return None
+        return self.chunks[index]
+
+
+class Reuse:
+    """The base objects of one transfer session and what it copied from them."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.copied = 0
+        """Bytes the store copied."""
+        self._versions: dict[str, str | None] = {}
+        self._warned: set[str] = set()
+
+    async def version(self, base: BaseObject) -> str | None:
+        """The version of ``base`` a copy may take (looked up once): None when its recorded digest is not the
+        manifest's, or it is gone."""
+        if base.key not in self._versions:
+            try:
+                meta = await self.store.head(base.key)
+            except ObjectNotFoundError:
+                meta = None
+            same = meta is not None and meta.etag and FileDigest.from_metadata(meta.size, meta.metadata) == base.digest
+            self._versions[base.key] = meta.etag if same and meta is not None else None
+            if not same:
+                log.info("base object %s is not what its checkpoint recorded: its bytes are sent",
+                         self.store.uri(base.key))
+        return self._versions[base.key]
+
+    def not_copied(self, base: BaseObject, exc: Exception) -> None:
+        """Note a copy that fell back to sending: the base's version is not used again; an unsupported copy is
+        logged once per store at debug level."""
+        if isinstance(exc, CopyUnsupportedError):
+            if type(exc).__name__ not in self._warned:
+                self._warned.add(type(exc).__name__)
+                log.debug("%s: server-side copies unavailable (%s); bytes are sent", self.store.name, exc)
+        else:
+            log.info("base object %s changed or vanished: its bytes are sent (%s)", self.store.uri(base.key), exc)
+            self._versions[base.key] = None
+
+    async def copy_whole(self, key: str, base: BaseObject, digest: FileDigest, *, if_absent: bool,
+                         metadata: dict[str, str] | None) -> bool:
+        """``key`` written as the store's copy of ``base`` (which holds ``digest``); False: not copied, send it.
+        Local stores copy through ``copy_parts`` (hashed again before the file appears)."""
+        version = await self.version(base)
+        if version is None or base.digest != digest or not digest.size or self.store.local_file(key) is not None:
+            return False
+        try:
+            await self.store.copy(key, CopySource(base.key, version, 0, digest.size), if_absent=if_absent,
+                                  metadata=metadata)
+        except NOT_COPIED as exc:
+            self.not_copied(base, exc)
+            return False
+        self.copied += digest.size
+        return True
+
+    async def copy_part(self, mpu: MultipartUpload, base: BaseObject, index: int, offset: int, length: int,
+                        digest: bytes, chunk_size: int) -> PartInfo | None:
+        """Part ``index`` (``length`` bytes at ``offset``, chunk digest ``digest``) copied from ``base`` where it
+        holds the same chunk there; None: send it."""
+        if base.chunk(index, chunk_size, length) != digest:
+            return None
+        version = await self.version(base)
+        if version is None:
+            return None
+        try:
+            info = await mpu.copy_part(index, CopySource(base.key, version, offset, length))
+        except NOT_COPIED as exc:
+            self.not_copied(base, exc)
+            return None
+        target = mpu.local_fd()
+        if target is not None:  # a local copy is trusted once hashed again
+            again = await off_loop(hash_file_range, target, offset, length, length)
+            if again != [digest]:
+                log.warning("copy of %s part %d did not hold the recorded bytes: sent instead", base.key, index)
+                self._versions[base.key] = None
+                return None
+        self.copied += length
+        return info
+
+
+def same_parts(base: BaseObject | None, digest: FileDigest, chunks: list[bytes]) -> BaseObject | None:
+    """``base`` with its chunk digests known where the whole file is the same (a manifest that recorded only the
+    file's digest); ``base`` as it is otherwise."""
+    if base is not None and not base.chunks and base.digest == digest:
+        return BaseObject(base.key, base.digest, tuple(chunks))
+    return base
