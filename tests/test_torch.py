@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import struct
@@ -84,7 +85,8 @@ def test_rank_file_opens_with_safetensors(tmp_path: Path) -> None:
         assert torch.equal(f.get_tensor("model.embed.weight"), state["model"]["embed.weight"])
         assert torch.equal(f.get_tensor("optim.state.0.exp_avg"), state["optim"]["state"][0]["exp_avg"])
         assert torch.equal(f.get_tensor("model.proj.weight"), state["model"]["proj.weight"])
-        assert "fastckpt.state" in f.metadata()
+        assert f.metadata()["fastckpt.state_tensor"] == "__fastckpt_state__"  # the skeleton: JSON in a U8 tensor
+        assert "d" in json.loads(f.get_tensor("__fastckpt_state__").numpy().tobytes())
 
 
 def test_plain_safetensors_file_loads_as_flat_dict(tmp_path: Path) -> None:

@@ -43,6 +43,13 @@ def test_sharded_save_and_resharded_load(backend: str, tmp_path: Path, request: 
     ok(job("load", base, 2))  # resharded onto 2 ranks
 
 
+def test_incremental_saves_with_latest(tmp_path: Path) -> None:
+    """Two ranks save twice with ``base="latest"`` (DCP and fastckpt.torch): the frozen weights are copied by the
+    store on the second save, and it loads bit-exact once the first is deleted (checked in the job)."""
+    ok(job("incr", f"file://{tmp_path}/store", 2))
+    assert fastckpt.verify(f"file://{tmp_path}/store/dcp-2").ok
+
+
 def test_rank_killed_mid_save_leaves_no_checkpoint(tmp_path: Path) -> None:
     base = f"file://{tmp_path}/store"
     crashed = job("crash", base, 4)

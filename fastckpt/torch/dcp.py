@@ -42,6 +42,8 @@ from torch.futures import Future
 from .._loop import BackgroundLoop
 from ..checkpoint.attempt import attempt_from_env, new_attempt_id
 from ..checkpoint.barrier import HandedBarrier
+from ..checkpoint.base import BaseCheckpoint, resolve_base
+from ..checkpoint.commit import CommitResult
 from ..checkpoint.group import GroupCall
 from ..checkpoint.manifest import RankManifest
 from ..checkpoint.reader import Checkpoint, open_checkpoint_async
@@ -54,6 +56,7 @@ from ..errors import CheckpointError, IntegrityError
 from ..stores.base import Store
 from ..tasks import gather_all
 from ..uri import StorageURI, parse_uri
+from .dcp_layout import Span, lay_out
 from .group_dcp import GroupRead
 from .staging import byte_view
 
@@ -66,11 +69,13 @@ SPANS_AHEAD = 3
 
 @dataclass(frozen=True)
 class _RankPlan:
-    """What the coordinator tells each rank: the attempt, its rank and the world size."""
+    """What the coordinator tells each rank: the attempt, its rank, the world size, and what of the base checkpoint
+    the rank's file may copy from (``BaseCheckpoint`` bytes)."""
 
     attempt: str
     rank: int
     world_size: int
+    base: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -86,40 +91,6 @@ class StoredItem:
     manifest: bytes | None = None
     """The writing rank's manifest, carried to the coordinator on the rank's first item (dropped before
     ``.metadata`` is written)."""
-
-
-@dataclass
-class _Span:
-    """``[start, end)`` of file ``name`` (chunk-aligned), read in one go for ``items`` (request, offset, length).
-
-    ``direct`` maps an item's index to the destination tensor its bytes are received into (a whole stored
-    tensor going to a contiguous CPU tensor); the rest of the span is received into scratch buffers.
-    """
-
-    name: str
-    start: int
-    end: int
-    items: list[tuple[Any, int, int]]
-    direct: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
-
-    def layout(self) -> Layout:
-        """Where the span's bytes go: the direct destinations, scratch buffers around them."""
-        views: list[memoryview | bytearray] = []
-        pos = self.start
-        for i, (_, offset, length) in enumerate(self.items):
-            target = self.direct.get(i)
-            if target is None:
-                continue
-            if offset < pos:  # overlaps bytes already placed: read into scratch like the others
-                del self.direct[i]
-                continue
-            if offset > pos:
-                views.append(bytearray(offset - pos))
-            views.append(byte_view(target))
-            pos = offset + length
-        if pos < self.end:
-            views.append(bytearray(self.end - pos))
-        return Layout(views)
 
 
 def _rank_file(rank: int) -> str:
@@ -159,14 +130,18 @@ class _Location:
 class Writer(_Location, StorageWriter):
     """``StorageWriter`` for ``dcp.save`` / ``dcp.async_save`` to the fastckpt checkpoint ``uri`` (any backend).
 
-    ``attempt`` names the run (default: from the environment, else drawn by the coordinator).
+    ``attempt`` names the run (default: from the environment, else drawn by the coordinator). ``base`` (a committed
+    checkpoint's URI, or ``"latest"``) makes each save incremental: the coordinator reads the base once and each rank
+    has the store copy the parts of its file that hold the same bytes as the base's file of that rank.
     """
 
     def __init__(self, uri: str | os.PathLike[str] | None = None, *, attempt: str | None = None,
-                 config: TransferConfig | None = None) -> None:
+                 config: TransferConfig | None = None, base: str | None = None) -> None:
         super().__init__()
         self.uri = os.fspath(uri) if uri is not None else None
-        self.attempt, self.config = attempt, config
+        self.attempt, self.config, self.base = attempt, config, base
+        self.result: CommitResult | None = None
+        """On the coordinator, once a save is committed: its totals (bytes ``sent`` and ``copied``)."""
         self._planned: str | None = None
         """The attempt the coordinator drew for the current save."""
 
@@ -185,24 +160,33 @@ class Writer(_Location, StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         attempt = self._planned = self.attempt or attempt_from_env() or new_attempt_id()
-        return [dataclasses.replace(p, storage_data=_RankPlan(attempt, i, len(plans))) for i, p in enumerate(plans)]
+        bases = _run(self._bases(len(plans))) if self.base is not None else [None] * len(plans)
+        return [dataclasses.replace(p, storage_data=_RankPlan(attempt, i, len(plans), bases[i]))
+                for i, p in enumerate(plans)]
+
+    async def _bases(self, world_size: int) -> list[bytes | None]:
+        """Each rank's share of the base checkpoint (its own file's entry), read once here."""
+        assert self.base is not None
+        async with self._store() as (target, _, store):
+            found = await resolve_base(store, target, self.base)
+        if found is None:
+            return [None] * world_size
+        return [BaseCheckpoint(found.uri, found.key, {n: e for n, e in found.files.items() if n == _rank_file(r)}
+                               ).encode() for r in range(world_size)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         where: _RankPlan = plan.storage_data
         name = _rank_file(where.rank)
-        views: list[memoryview] = []
-        stored: list[StoredItem] = []
-        offset = 0
+        items: list[tuple[memoryview, torch.dtype | None, tuple[int, ...] | None]] = []
         for item in plan.items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                view, dtype, shape = memoryview(data.getbuffer()).cast("B"), None, None
+                items.append((memoryview(data.getbuffer()).cast("B"), None, None))
             else:
                 tensor = data.detach().to("cpu").contiguous()
-                view, dtype, shape = byte_view(tensor), tensor.dtype, tuple(tensor.shape)
-            views.append(view)
-            stored.append(StoredItem(name, offset, len(view), dtype, shape))
-            offset += len(view)
+                items.append((byte_view(tensor), tensor.dtype, tuple(tensor.shape)))
+        views, offsets = lay_out([v for v, _, _ in items], (self.config or TransferConfig.from_env()).part_size)
+        stored = [StoredItem(name, o, len(v), d, s) for (v, d, s), o in zip(items, offsets, strict=True)]
         manifest = _run(self._write(where, name, Layout(views)))
         if stored:
             stored[0] = dataclasses.replace(stored[0], manifest=manifest)
@@ -211,8 +195,9 @@ class Writer(_Location, StorageWriter):
 
     async def _write(self, where: _RankPlan, name: str, layout: Layout) -> bytes:
         async with self._store() as (target, cfg, store):
+            base = BaseCheckpoint.decode(where.base, f"base of {target.raw}") if where.base else None
             writer = CheckpointWriter(target, rank=where.rank, world_size=where.world_size, attempt=where.attempt,
-                                      config=cfg, barrier=HandedBarrier({}), store=store)
+                                      config=cfg, barrier=HandedBarrier({}), store=store, base=base)
             await writer.__aenter__()
             try:
                 if layout.size:
@@ -249,8 +234,9 @@ class Writer(_Location, StorageWriter):
                                       barrier=HandedBarrier(handed), store=store)
             async with writer:
                 if own is not None:
-                    writer.record_written(own.files)
+                    writer.record_written(own.files, own.copied)
                 await writer.put_layout(METADATA, Layout([metadata]))
+        self.result = writer.result
 
     def storage_meta(self) -> dcp_meta.StorageMeta | None:
         return dcp_meta.StorageMeta(checkpoint_id=self.uri)
@@ -301,7 +287,7 @@ class Reader(_Location, StorageReader):
             self._ckpt = ckpt = await open_checkpoint_async(target, config=cfg, store=store)
             if METADATA not in ckpt.files:
                 raise CheckpointError(f"{self.uri} is a fastckpt checkpoint, but not one written by dcp.save")
-            span = _Span(METADATA, 0, self._digest(METADATA).size, [])
+            span = Span(METADATA, 0, self._digest(METADATA).size, [])
             layout = span.layout()
             transfer = Transfer(store, cfg)
             try:
@@ -342,7 +328,7 @@ class Reader(_Location, StorageReader):
             self._read_in_group(plan, planner)
             return _done(None)
         spans = self._spans(plan.items, planner)
-        arrived: queue.Queue[tuple[_Span, Layout] | BaseException] = queue.Queue()
+        arrived: queue.Queue[tuple[Span, Layout] | BaseException] = queue.Queue()
         loop = BackgroundLoop.get().loop
         slots = asyncio.Semaphore(SPANS_AHEAD)  # taken on the loop, given back from here
         reading = asyncio.run_coroutine_threadsafe(self._read(spans, arrived, slots), loop)
@@ -366,7 +352,7 @@ class Reader(_Location, StorageReader):
         read = GroupRead(call, self._spans(plan.items, planner), ckpt.chunks, sizes, ckpt.file_key, str(self.uri))
         read.run(self._store, lambda span, layout: self._hand_over(span, layout, planner))
 
-    def _hand_over(self, span: _Span, layout: Layout, planner: LoadPlanner) -> None:
+    def _hand_over(self, span: Span, layout: Layout, planner: LoadPlanner) -> None:
         """The items of ``span``, whose bytes are in ``layout``, to the planner."""
         for i, (req, offset, length) in enumerate(span.items):
             if i in span.direct:
@@ -396,22 +382,22 @@ class Reader(_Location, StorageReader):
         target.copy_(tensor)
         planner.commit_tensor(req, target)
 
-    def _spans(self, reqs: list[Any], planner: LoadPlanner) -> list[_Span]:
+    def _spans(self, reqs: list[Any], planner: LoadPlanner) -> list[Span]:
         """The requests' byte ranges grouped into chunk-aligned spans of one file (ranges closer than a chunk
         together, up to ``GROUP_BYTES`` a span), with the destinations that can receive their bytes directly."""
         by_file: dict[str, list[tuple[Any, int, int]]] = defaultdict(list)
         for req in reqs:
             item = self._storage[req.storage_index]
             by_file[item.name].append((req, item.offset, item.length))
-        spans: list[_Span] = []
+        spans: list[Span] = []
         for name, items in by_file.items():
             digest = self._digest(name)
             cs = digest.chunk_size
-            span: _Span | None = None
+            span: Span | None = None
             for req, offset, length in sorted(items, key=lambda i: i[1]):
                 end = min(digest.size, -(-(offset + length) // cs) * cs)
                 if span is None or offset // cs * cs > span.end or end - span.start > GROUP_BYTES:
-                    span = _Span(name, offset // cs * cs, end, [])
+                    span = Span(name, offset // cs * cs, end, [])
                     spans.append(span)
                 span.end = max(span.end, end)
                 target = self._direct_target(req, length, planner)
@@ -440,14 +426,14 @@ class Reader(_Location, StorageReader):
             raise CheckpointError(f"{self.uri}: file {name} is not in the checkpoint's manifests")
         return digest
 
-    async def _read(self, spans: list[_Span], arrived: queue.Queue[Any], slots: asyncio.Semaphore) -> None:
+    async def _read(self, spans: list[Span], arrived: queue.Queue[Any], slots: asyncio.Semaphore) -> None:
         """Read ``spans`` (each once a slot is free), every chunk checked against its recorded digest; each
         span, or the first failure, goes to ``arrived``."""
         try:
             async with self._store() as (_, cfg, store):
                 transfer = Transfer(store, cfg)
 
-                async def one(span: _Span) -> None:
+                async def one(span: Span) -> None:
                     await slots.acquire()
                     layout = span.layout()
                     await self._read_span(transfer, span, layout)
@@ -461,7 +447,7 @@ class Reader(_Location, StorageReader):
             arrived.put(exc)
             raise
 
-    async def _read_span(self, transfer: Transfer, span: _Span, layout: Layout) -> None:
+    async def _read_span(self, transfer: Transfer, span: Span, layout: Layout) -> None:
         assert self._ckpt is not None
         digest, chunks = self._digest(span.name), self._ckpt.chunks.get(span.name)
         if chunks is None:

@@ -1,14 +1,14 @@
 """The rank file: a safetensors file holding a state dict's tensors, with its non-tensor skeleton.
 
-Layout (the safetensors format): 8 bytes little-endian header length, the JSON header (padded with
-spaces to 8 bytes), then the tensors' bytes back to back. The header's ``__metadata__`` holds
-``fastckpt.state``: the state dict as JSON, each tensor replaced by ``{"T": name}``. Containers and
-scalars are tagged so they come back as they went in (``{"d": [[key, value], ...]}`` for a dict of any
-keys, ``{"t": [...]}`` for a tuple, ``{"f": "nan"}`` for non-finite floats, ``{"b": base64}`` for bytes);
-nothing is pickled, so loading never runs code. Tensors are stored largest element size first, which keeps
-every tensor aligned to its element size in the file.
+Layout (the safetensors format): 8 bytes little-endian header length, the JSON header (padded with spaces), then
+the tensors' bytes back to back. The skeleton is the state dict as JSON, each tensor replaced by ``{"T": name}``;
+containers and scalars are tagged so they come back as they went in (``{"d": [[key, value], ...]}`` for a dict of
+any keys, ``{"t": [...]}`` for a tuple, ``{"f": "nan"}`` for non-finite floats, ``{"b": base64}`` for bytes);
+nothing is pickled, so loading never runs code. It is stored as the last tensor, ``__fastckpt_state__`` (U8, named
+by the header's ``fastckpt.state_tensor``), so that the header of a state whose values change stays the same: an
+incremental save copies every part that holds unchanged tensors (``build_header``). Files of earlier versions hold
+it in the header's ``fastckpt.state``; both are read.
 """
-
 from __future__ import annotations
 
 import base64
@@ -24,6 +24,14 @@ import torch
 from ..errors import CheckpointError
 
 STATE_KEY = "fastckpt.state"
+"""Header metadata of files that hold the skeleton in their header (written before fastckpt 0.x kept it apart)."""
+STATE_AT = "fastckpt.state_tensor"
+"""Header metadata naming the tensor that holds the skeleton."""
+STATE_TENSOR = "__fastckpt_state__"
+SMALL = 1 << 20
+"""Tensors smaller than this are laid out after the large ones."""
+ALIGN_FROM = 4
+"""Parts of large tensors from which the header is padded to align the small ones to a part."""
 MAX_HEADER = 256 << 20
 """Largest header accepted when reading (untrusted input)."""
 
@@ -54,12 +62,14 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class Header:
-    """A parsed (or built) rank file header: tensors, the skeleton, and where the data section starts."""
+    """A parsed (or built) rank file header: tensors, the skeleton (None while it is in ``state_tensor``, read with
+    the tensors), and where the data section starts."""
 
     tensors: dict[str, TensorEntry]
     skeleton: Any
     data_start: int
     raw: bytes
+    state_tensor: str = ""
 
     @property
     def size(self) -> int:
@@ -135,22 +145,63 @@ def _key(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
 
 
-def build_header(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Header:
-    """The header for ``tensors`` stored in order of falling element size."""
-    order = sorted(tensors, key=lambda n: -tensors[n].element_size())
-    doc: dict[str, Any] = {"__metadata__": {STATE_KEY: json.dumps(skeleton, separators=(",", ":")), "format": "pt"}}
+def with_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` and the skeleton as the U8 tensor ``STATE_TENSOR``: its JSON padded with spaces to a power of two,
+    so that a state whose values change keeps the header (and every offset) of the save before."""
+    text = json.dumps(skeleton, separators=(",", ":")).encode()
+    blob = bytearray(text + b" " * ((1 << max(8, (len(text) * 9 // 8).bit_length())) - len(text)))
+    return {**tensors, STATE_TENSOR: torch.frombuffer(blob, dtype=torch.uint8)}
+
+
+def build_header(tensors: dict[str, torch.Tensor], align: int = 0) -> Header:
+    """The header of a rank file holding ``tensors`` (with their skeleton in ``STATE_TENSOR``, see ``with_state``).
+
+    The same tensors (names, shapes, dtypes) always give the same header and offsets, so an unchanged tensor lands in
+    the same chunks save after save. Tensors of at least ``SMALL`` bytes come first (the frozen weights of a
+    fine-tune), the small ones after them (adapters, their optimizer state), the skeleton last; each run by falling
+    element size, which keeps every tensor aligned. With ``align`` (the part size) and enough large tensors, the
+    header is padded with spaces so that the small ones start a part: their changes touch no part of the large ones.
+    """
+    names = [n for n in tensors if n != STATE_TENSOR]
+    nbytes = {n: tensors[n].numel() * tensors[n].element_size() for n in names}
+    big = [n for n in names if nbytes[n] >= SMALL]
+    bulk = sum(nbytes[n] for n in big)
+    def by_size(name: str) -> int:
+        return -tensors[name].element_size()
+
+    if bulk % 8:  # the small ones could not all stay aligned after the large ones
+        big, bulk = [], 0
+    order = sorted(big, key=by_size) + sorted((n for n in names if n not in big), key=by_size)
+    meta = {"format": "pt"}
+    if STATE_TENSOR in tensors:
+        order.append(STATE_TENSOR)
+        nbytes[STATE_TENSOR], meta[STATE_AT] = tensors[STATE_TENSOR].numel(), STATE_TENSOR
+    doc: dict[str, Any] = {"__metadata__": meta}
     entries: dict[str, TensorEntry] = {}
     pos = 0
     for name in order:
         t = tensors[name]
-        nbytes = t.numel() * t.element_size()
-        entries[name] = TensorEntry(name, t.dtype, tuple(t.shape), pos, pos + nbytes)
-        doc[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + nbytes]}
-        pos += nbytes
+        entries[name] = TensorEntry(name, t.dtype, tuple(t.shape), pos, pos + nbytes[name])
+        doc[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + nbytes[name]]}
+        pos += nbytes[name]
     body = json.dumps(doc, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
+    if align and bulk >= ALIGN_FROM * align:
+        body += b" " * (-(8 + len(body) + bulk) % align)
     raw = struct.pack("<Q", len(body)) + body
-    return Header(entries, skeleton, len(raw), raw)
+    return Header(entries, None, len(raw), raw, STATE_TENSOR if STATE_TENSOR in tensors else "")
+
+
+def state_of(header: Header, tensors: dict[str, torch.Tensor], what: str) -> Any:
+    """The state a rank file holds, its tensors taken from ``tensors`` (all of the header's, read)."""
+    skeleton = header.skeleton
+    if header.state_tensor:
+        blob = tensors.pop(header.state_tensor).cpu().numpy().tobytes()
+        try:
+            skeleton = json.loads(blob)
+        except ValueError as exc:
+            raise CheckpointError(f"{what}: malformed state skeleton ({exc})") from None
+    return unflatten(skeleton, tensors, what)
 
 
 def header_length(prefix: bytes, what: str) -> int:
@@ -170,6 +221,7 @@ def parse_header(raw: bytes, file_size: int, what: str) -> Header:
         doc = json.loads(raw[8:])
         meta = doc.pop("__metadata__", None) or {}
         skeleton = json.loads(meta[STATE_KEY]) if STATE_KEY in meta else None
+        state_tensor = str(meta.get(STATE_AT, ""))
         entries = {}
         for name, info in doc.items():
             dtype, shape = BY_NAME[info["dtype"]], tuple(int(s) for s in info["shape"])
@@ -184,9 +236,13 @@ def parse_header(raw: bytes, file_size: int, what: str) -> Header:
     for (_, end, first), (start, _, second) in itertools.pairwise(spans):
         if start < end:
             raise CheckpointError(f"{what}: tensors {first!r} and {second!r} overlap")
-    header = Header(entries, skeleton, len(raw), raw)
+    if state_tensor:
+        entry = entries.get(state_tensor)
+        if entry is None or entry.dtype != torch.uint8 or len(entry.shape) != 1 or entry.nbytes > MAX_HEADER:
+            raise CheckpointError(f"{what}: the state tensor {state_tensor!r} is missing or not a U8 vector")
+    header = Header(entries, skeleton, len(raw), raw, state_tensor)
     if header.size > file_size:
         raise CheckpointError(f"{what}: header describes {header.size} bytes, the file holds {file_size}")
-    if skeleton is None:  # a plain safetensors file: a flat dict of its tensors
+    if skeleton is None and not state_tensor:  # a plain safetensors file: a flat dict of its tensors
         header = Header(entries, {"d": [[n, {"T": n}] for n in entries]}, len(raw), raw)
     return header

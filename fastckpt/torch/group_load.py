@@ -25,7 +25,7 @@ from ..errors import CheckpointError, IntegrityError
 from ..integrity import ChunkHasher, FileDigest
 from ..stores.base import Store
 from ..uri import StorageURI
-from .format import parse_header, unflatten
+from .format import parse_header, state_of
 from .load import Target, destinations, file_layout, header_bytes, rank_entry
 
 Range = tuple[int, int, int]
@@ -105,7 +105,7 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
     for t in targets:
         if t.bounce is not None:
             t.tensor.copy_(t.bounce)
-    return unflatten(header.skeleton, {t.entry.name: t.tensor for t in targets}, what)
+    return state_of(header, {t.entry.name: t.tensor for t in targets}, what)
 
 
 async def _header(transfer: Transfer, key: str, digest: FileDigest, what: str) -> tuple[bytes, str | None]:

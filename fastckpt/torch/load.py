@@ -18,7 +18,7 @@ from ..errors import CheckpointError, IntegrityError
 from ..integrity import FileDigest
 from ..threads import off_loop
 from ..uri import StorageURI, parse_uri
-from .format import Header, TensorEntry, flatten, header_length, parse_header, unflatten
+from .format import Header, TensorEntry, flatten, header_length, parse_header, state_of
 from .save import rank_file
 from .staging import Staging, byte_view, synchronize
 
@@ -92,7 +92,7 @@ async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: s
     for t in targets:
         if t.bounce is not None:
             t.tensor.copy_(t.bounce)
-    return unflatten(header.skeleton, {t.entry.name: t.tensor for t in targets}, what)
+    return state_of(header, {t.entry.name: t.tensor for t in targets}, what)
 
 
 async def header_bytes(transfer: Transfer, key: str, size: int, what: str) -> bytes:

@@ -17,7 +17,7 @@ from ..engine.layout import Layout
 from ..engine.open_stores import store_for
 from ..stores.base import Store
 from ..uri import parse_uri
-from .format import build_header, flatten
+from .format import build_header, flatten, with_state
 from .staging import Staging, byte_view, default_staging, distributed_defaults
 
 
@@ -49,57 +49,64 @@ class SaveHandle:
 
 def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int | None = None,
          barrier: Barrier | None = None, attempt: str | None = None, config: TransferConfig | None = None,
-         store: Store | None = None) -> CommitResult:
+         store: Store | None = None, base: str | None = None) -> CommitResult:
     """Save ``state_dict`` (this rank's share) to checkpoint ``uri`` and commit it with the other ranks.
 
     CPU tensors are uploaded straight from their memory (no copy, no local file); the call returns once
     the checkpoint is committed. Device tensors go through a temporary host staging area. ``rank`` and
     ``world_size`` default to ``torch.distributed``'s (else 0 and 1); ``barrier`` then defaults to a
-    ``TorchBarrier`` on a gloo group of its own.
+    ``TorchBarrier`` on a gloo group of its own. ``base`` (a committed checkpoint's URI, or ``"latest"``) makes
+    the save incremental: the parts of the rank file that hold the same bytes as the base's are copied by the
+    store, not sent (``CheckpointWriter``); the result's ``copied`` and ``sent`` say how much.
     """
     rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
     skeleton, tensors = flatten(state_dict)
     if any(t.device.type != "cpu" for t in tensors.values()):
         return async_save(state_dict, uri, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
-                          config=config, store=store, staging=Staging()).wait()
-    header = build_header(skeleton, tensors)
+                          config=config, store=store, staging=Staging(), base=base).wait()
+    tensors = with_state(skeleton, tensors)
+    header = build_header(tensors, (config or TransferConfig.from_env()).part_size)
     views = [header.raw] + [byte_view(tensors[n].detach().contiguous()) for n in header.tensors]
-    return BackgroundLoop.get().run(_commit(Layout(views), uri, rank, world_size, barrier, attempt, config, store))
+    return BackgroundLoop.get().run(_commit(Layout(views), uri, rank, world_size, barrier, attempt, config, store,
+                                            base))
 
 
 def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int | None = None,
                barrier: Barrier | None = None, attempt: str | None = None, config: TransferConfig | None = None,
                store: Store | None = None, staging: Staging | None = None,
-               if_busy: Literal["wait", "error"] = "wait") -> SaveHandle:
+               if_busy: Literal["wait", "error"] = "wait", base: str | None = None) -> SaveHandle:
     """Copy ``state_dict``'s tensors into host staging memory, then upload and commit in the background.
 
     The caller is blocked only for the copies (device tensors: ``non_blocking`` into pinned memory, one
     synchronize); training may change the tensors as soon as this returns. ``staging`` (default: one per
     process, grown to the largest state saved) is reused by every save; while an earlier save from the
     same staging is still uploading, ``if_busy="wait"`` waits for it and ``"error"`` raises RuntimeError.
-    The upload runs on fastckpt's background loop; the handle's ``wait()`` surfaces its outcome.
+    The upload runs on fastckpt's background loop; the handle's ``wait()`` surfaces its outcome. ``base``: as for
+    ``save`` (the comparison with the base happens in the background, after the copies).
     """
     rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
     started = time.perf_counter()
     staging = staging or default_staging(rank)
     skeleton, tensors = flatten(state_dict)
-    header = build_header(skeleton, tensors)
+    tensors = with_state(skeleton, tensors)
+    header = build_header(tensors, (config or TransferConfig.from_env()).part_size)
     with staging.claim(if_busy):
         data = staging.stage(header, tensors)
-        coro = _commit(Layout([header.raw, data]), uri, rank, world_size, barrier, attempt, config, store)
+        coro = _commit(Layout([header.raw, data]), uri, rank, world_size, barrier, attempt, config, store, base)
         future = asyncio.run_coroutine_threadsafe(coro, BackgroundLoop.get().loop)
         staging.track(future)
     return SaveHandle(future, time.perf_counter() - started)
 
 
 async def _commit(layout: Layout, uri: str, rank: int, world_size: int, barrier: Barrier | None,
-                  attempt: str | None, config: TransferConfig | None, store: Store | None) -> CommitResult:
+                  attempt: str | None, config: TransferConfig | None, store: Store | None, base: str | None
+                  ) -> CommitResult:
     target, cfg = parse_uri(uri), config or TransferConfig.from_env()
     async with contextlib.AsyncExitStack() as stack:
         if store is None:
             store = await stack.enter_async_context(store_for(target, cfg))
         writer = CheckpointWriter(target, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
-                                  config=cfg, store=store)
+                                  config=cfg, store=store, base=base)
         async with writer:
             await writer.put_layout(rank_file(rank), layout)
     assert writer.result is not None

@@ -6,6 +6,8 @@ Modes:
 - ``save``: ``dcp.save`` to ``URI/a``, ``dcp.async_save`` to ``URI/b``, then both loaded back and compared.
 - ``load``: ``URI/a`` and ``URI/b`` loaded by this world size (resharded).
 - ``crash``: rank 2 dies while uploading its share of ``URI/c``; ``resave``: ``URI/c`` saved and loaded.
+- ``incr``: DCP and ``fastckpt.torch`` saves with ``base="latest"`` (frozen weights copied, not sent), loaded after
+  their bases are deleted.
 - ``ft``: ``fastckpt.torch`` async_save and load of each rank's own state (``URI/t``); ``ft-crash``: rank 2
   dies mid-upload of ``URI/u``.
 
@@ -14,6 +16,7 @@ Exit status 0 when every rank's check passed.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 
@@ -25,6 +28,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import fastckpt.checkpoint.writer
 import fastckpt.torch as ft
+from fastckpt import open_store, parse_uri
+from fastckpt.config import TransferConfig
 from fastckpt.torch.dcp import Reader, Writer
 from harness.uris import below
 from tests.ranks import run_ranks
@@ -67,6 +72,47 @@ async def die_mid_upload(transfer, layout, key, **_):  # type: ignore[no-untyped
     os._exit(9)
 
 
+async def remove(uri: str) -> None:
+    target = parse_uri(uri)
+    async with open_store(target) as store:
+        await store.delete_many([m.key async for m in store.list(target.key)])
+
+
+def incremental_saves(rank: int, world: int, mesh, base: str) -> None:
+    """DCP and fastckpt.torch saves with ``base="latest"``: what did not change is copied, not sent, and each
+    checkpoint loads after its base is deleted."""
+    cfg = TransferConfig(part_size=1 << 20, multipart_threshold=1 << 20)
+    frozen = {f"w{i}": distribute_tensor(torch.randn(1024, 512, generator=torch.Generator().manual_seed(i)), mesh,
+                                         [Shard(0)]) for i in range(4)}  # 1 MiB a rank each
+
+    def state(step: int) -> dict:
+        adapter = distribute_tensor(torch.full((64, 8), float(step)), mesh, [Shard(0)])
+        return {"model": {**frozen, "lora": adapter}, "step": step}
+
+    writers = []
+    for step in (1, 2):
+        writers.append(Writer(below(base, f"dcp-{step}"), config=cfg, base="latest"))
+        dcp.save(state(step), storage_writer=writers[-1])
+    torch_results = [ft.save({"w": frozen["w0"].to_local().clone(), "step": torch.tensor(step)},
+                             below(base, f"ft/{step}"), config=cfg, base="latest") for step in (1, 2)]
+    dist.barrier()
+    if rank == 0:
+        first, second = writers[0].result, writers[1].result
+        assert first is not None and second is not None and first.copied == 0, (first, second)
+        assert second.copied >= 4 * world * (1 << 20) and second.sent < (1 << 20), second  # the frozen weights
+        assert torch_results[1].copied >= world * (1 << 20), torch_results[1]
+        asyncio.run(remove(below(base, "dcp-1")))
+        asyncio.run(remove(below(base, "ft/1")))
+    dist.barrier()
+    target = {"model": {k: distribute_tensor(torch.zeros(1024, 512), mesh, [Shard(0)]) for k in frozen}, "step": 0}
+    target["model"]["lora"] = distribute_tensor(torch.zeros(64, 8), mesh, [Shard(0)])
+    dcp.load(target, storage_reader=Reader(below(base, "dcp-2")))
+    assert target["step"] == 2 and torch.equal(target["model"]["lora"].full_tensor(), torch.full((64, 8), 2.0))
+    assert all(torch.equal(target["model"][k].full_tensor(), v.full_tensor()) for k, v in frozen.items())
+    back = ft.load(below(base, "ft/2"), rank=rank, world_size=world)
+    assert torch.equal(back["w"], frozen["w0"].to_local()) and int(back["step"]) == 2
+
+
 def rank_main(rank: int, mode: str, base: str, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -93,6 +139,8 @@ def rank_main(rank: int, mode: str, base: str, world: int, port: int) -> None:
             if rank == 2:
                 fastckpt.checkpoint.writer.upload_layout = die_mid_upload
             ft.save({"shard": full_state(6)["head"][rank::world].clone()}, below(base, "u"))
+        elif mode == "incr":  # frozen weights, trained adapters: the second save copies the weights' parts
+            incremental_saves(rank, world, mesh, base)
         elif mode == "resave":
             dcp.save(sharded(full_state(4), mesh, 40), storage_writer=Writer(below(base, "c")))
             check(load_into(below(base, "c"), mesh, 4), full_state(4), 40)
