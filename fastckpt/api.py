@@ -6,6 +6,7 @@ import os
 import posixpath
 
 from ._loop import BackgroundLoop
+from .checkpoint.base import base_objects
 from .config import TransferConfig
 from .engine.open_stores import store_for
 from .engine.paths import local_files, paths_below
@@ -28,12 +29,15 @@ def _target(uri: str | StorageURI) -> StorageURI:
 
 async def upload_async(
     src: PathLike, dst: str | StorageURI, *, config: TransferConfig | None = None,
-    progress: ProgressCallback | None = None,
+    progress: ProgressCallback | None = None, base: str | StorageURI | None = None,
 ) -> list[FileResult]:
     """Upload a local file or directory to ``dst``.
 
     A file goes to ``dst`` itself, or below it when ``dst`` ends with '/'. A directory's files go below
-    ``dst`` with their relative paths.
+    ``dst`` with their relative paths. ``base``: an earlier copy of the directory in the same bucket (a committed
+    checkpoint, ``"latest"`` beside ``dst``, or any prefix whose objects carry fastckpt digests); each file that
+    holds the same bytes as the base's file of the same relative name, and each part of one that holds the same
+    chunk, is copied by the store instead of sent (``FileResult.copied``).
     """
     src = os.fspath(src)
     target = _target(dst)
@@ -48,7 +52,8 @@ async def upload_async(
     async with store_for(target, config) as store:
         transfer = Transfer(store, config, progress)
         try:
-            return await transfer.upload_files(pairs)
+            bases = {} if base is None else await base_objects(store, target, base, [k for _, k in pairs])
+            return await transfer.upload_files(pairs, bases=bases)
         finally:
             transfer.close()
 
@@ -88,10 +93,10 @@ async def download_async(
 
 
 def upload(src: PathLike, dst: str | StorageURI, *, config: TransferConfig | None = None,
-           progress: ProgressCallback | None = None) -> list[FileResult]:
+           progress: ProgressCallback | None = None, base: str | StorageURI | None = None) -> list[FileResult]:
     """Sync twin of ``upload_async``, run on fastckpt's background loop, which keeps the store open for the next
     call (``engine.open_stores``); an interrupt (Ctrl-C) cancels the transfer."""
-    return BackgroundLoop.get().run(upload_async(src, dst, config=config, progress=progress))
+    return BackgroundLoop.get().run(upload_async(src, dst, config=config, progress=progress, base=base))
 
 
 def download(src: str | StorageURI, dst: PathLike, *, config: TransferConfig | None = None,

@@ -64,11 +64,11 @@ def cmd_cp(args: argparse.Namespace) -> dict[str, object]:
         results = download(args.src, args.dst, config=config, progress=progress)
     else:
         src = args.src[len("file://"):] if args.src.startswith("file://") else args.src
-        results = upload(src, args.dst, config=config, progress=progress)
-    total = sum(r.digest.size for r in results)
-    return {"files": len(results), "bytes": total,
-            "results": [{"key": r.key, "path": r.path, "size": r.digest.size, "xxh3": r.digest.digest}
-                        for r in results]}
+        results = upload(src, args.dst, config=config, progress=progress, base=args.base)
+    total, copied = sum(r.digest.size for r in results), sum(r.copied for r in results)
+    return {"files": len(results), "bytes": total, "sent": total - copied, "copied": copied,
+            "results": [{"key": r.key, "path": r.path, "size": r.digest.size, "xxh3": r.digest.digest,
+                         "copied": r.copied} for r in results]}
 
 
 def cmd_ls(args: argparse.Namespace) -> dict[str, object]:
@@ -159,7 +159,8 @@ def _print_human(name: str, out: dict[str, object]) -> None:
         for line in out["skipped"]:  # type: ignore[union-attr]
             print(f"  skipped {line}")
     elif name == "cp":
-        print(f"copied {out['files']} file(s), {out['bytes']} bytes")
+        print(f"copied {out['files']} file(s), {out['bytes']} bytes"
+              + (f" ({out['sent']} sent, {out['copied']} copied in the store from the base)" if out["copied"] else ""))
     else:
         for k, v in out.items():
             print(f"{k}: {v}")
@@ -181,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("cp", parents=[common], help="copy a file or directory to or from a store")
     cp.add_argument("src")
     cp.add_argument("dst")
+    cp.add_argument("--base", default=None, metavar="URI",
+                    help="upload: an earlier copy in the same bucket (a checkpoint, 'latest', or a prefix); files and "
+                         "parts that did not change are copied by the store, not sent")
     cp.add_argument("--durable", action="store_true",
                     help="fsync downloaded files before they take their names (default: as s5cmd and the AWS CLI, no)")
     ls = sub.add_parser("ls", parents=[common], help="list objects below a URI")

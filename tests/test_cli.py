@@ -92,3 +92,30 @@ def test_checkpoint_ls_verify_gc(tmp_path) -> None:
         f.write(bytes([byte[0] ^ 1]))
     bad = run("verify", str(run_dir / "step-1"))
     assert bad.returncode == 1 and "model.safetensors" in bad.stdout
+
+
+def test_cp_with_a_base_copies_what_did_not_change(tmp_path) -> None:
+    """``cp --base`` against an earlier upload: its objects carry their digests (not their chunks'), so unchanged
+    files are copied whole by the store and changed ones sent; the summary says which was which."""
+    src = tmp_path / "ckpt"
+    (src / "shards").mkdir(parents=True)
+    frozen, trained = os.urandom(3 << 20), os.urandom(4 << 20)
+    (src / "shards" / "frozen.bin").write_bytes(frozen)
+    (src / "trained.bin").write_bytes(trained)
+    store = f"file://{tmp_path}/store/run"
+    assert run("cp", str(src), f"{store}/1", "--part-size", "1MiB", "--json").returncode == 0
+    (src / "trained.bin").write_bytes(trained[:1 << 20] + os.urandom(3 << 20))
+    up = run("cp", str(src), f"{store}/2", "--base", f"{store}/1", "--part-size", "1MiB", "--json")
+    assert up.returncode == 0, up.stderr
+    out = json.loads(up.stdout)
+    assert (out["copied"], out["sent"]) == (len(frozen), 4 << 20)
+    assert {os.path.basename(r["key"]): r["copied"] for r in out["results"]} == {"frozen.bin": len(frozen),
+                                                                               "trained.bin": 0}
+    human = run("cp", str(src), f"{store}/3", "--base", f"{store}/2", "--part-size", "1MiB")
+    assert human.returncode == 0 and "copied in the store from the base" in human.stdout, human.stdout + human.stderr
+    assert run("verify", f"{store}/3").returncode == 0
+    back = tmp_path / "back"
+    assert run("cp", f"{store}/3", str(back)).returncode == 0
+    assert (back / "shards" / "frozen.bin").read_bytes() == frozen
+    missing = run("cp", str(src), f"{store}/4", "--base", "s3://elsewhere/run/3")
+    assert missing.returncode != 0 and "not in the bucket" in missing.stderr

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 from ..engine.reuse import BaseObject
 from ..errors import CheckpointError
+from ..integrity import FileDigest
 from ..stores.base import Store
 from ..tasks import gather_bounded
 from ..uri import StorageURI, join_key, parse_uri
 from .catalog import COMMITTED, SCAN_CONCURRENCY, candidates, info_of
-from .manifest import FileEntry, file_doc, file_entry
+from .manifest import MARKER, META_DIR, FileEntry, file_doc, file_entry
 from .reader import load
 
 LATEST = "latest"
@@ -79,9 +80,7 @@ async def resolve_base(store: Store, target: StorageURI, base: str | StorageURI)
         where = target.with_key(found)
     else:
         where = parse_uri(base) if isinstance(base, str) else base
-        if (where.backend, where.bucket) != (target.backend, target.bucket):
-            raise ValueError(f"base {where.raw} is not in the bucket of {target.raw}: a store copies only within "
-                             "itself")
+        _same_bucket(where, target)
     if where.key.strip("/") == target.key.strip("/"):
         raise ValueError(f"base {where.raw} is the checkpoint being written")
     ckpt = await load(store, where, allow_uncommitted=False)
@@ -101,3 +100,35 @@ async def _latest_beside(store: Store, target: StorageURI) -> str | None:
     committed = [(i.committed_at or 0.0, i.name, k) for i, (k, _) in zip(infos, found, strict=True)
                  if i.state == COMMITTED]
     return max(committed)[2] if committed else None
+
+
+async def base_objects(store: Store, target: StorageURI, base: str | StorageURI, keys: list[str]
+                       ) -> dict[str, BaseObject]:
+    """For an upload of ``keys`` below ``target``: the objects of ``base`` at the same relative names (by key). A
+    committed checkpoint's come from its manifests (with chunk digests); a plain prefix's from the digests its
+    objects carry."""
+    rels = {k: k[len(target.key):].lstrip("/") for k in keys}
+    where = parse_uri(base) if isinstance(base, str) and base != LATEST else base
+    if isinstance(where, StorageURI):
+        _same_bucket(where, target)
+        if not await store.exists(join_key(where.key, META_DIR, MARKER)):
+            return await _prefix_objects(store, where.key, rels)
+    ckpt = await resolve_base(store, target, base)
+    if ckpt is None:
+        return {}
+    return {k: obj for k, rel in rels.items() if (obj := ckpt.object(rel)) is not None}
+
+
+async def _prefix_objects(store: Store, prefix: str, rels: dict[str, str]) -> dict[str, BaseObject]:
+    """The objects below ``prefix`` at the relative names ``rels`` holds (by the key they are for) that carry a
+    digest."""
+    listed = {m.key async for m in store.list(prefix)}
+    wanted = [(k, join_key(prefix, rel)) for k, rel in rels.items() if join_key(prefix, rel) in listed]
+    metas = await gather_bounded([store.head(src) for _, src in wanted], SCAN_CONCURRENCY)
+    found = {k: (src, FileDigest.from_metadata(m.size, m.metadata)) for (k, src), m in zip(wanted, metas, strict=True)}
+    return {k: BaseObject(src, digest) for k, (src, digest) in found.items() if digest is not None}
+
+
+def _same_bucket(where: StorageURI, target: StorageURI) -> None:
+    if (where.backend, where.bucket) != (target.backend, target.bucket):
+        raise ValueError(f"base {where.raw} is not in the bucket of {target.raw}: a store copies only within itself")

@@ -178,7 +178,7 @@ class CheckpointWriter(Commit):
     @property
     def _copied(self) -> int:
         """Bytes of this rank's files the store copied from the base."""
-        return self._handed_copied + (self._transfer.reuse.copied if self._transfer is not None else 0)
+        return self._handed_copied + (self._transfer.reuse.total if self._transfer is not None else 0)
 
     def _active(self) -> Transfer:
         if self._transfer is None or self._closed:

@@ -45,10 +45,15 @@ class BaseObject:
 class Reuse:
     """The base objects of one transfer session and what it copied from them."""
 
+    @property
+    def total(self) -> int:
+        """Bytes the store copied in this session."""
+        return sum(self.copied.values())
+
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.copied = 0
-        """Bytes the store copied."""
+        self.copied: dict[str, int] = {}
+        """Bytes the store copied, by the key it copied them to."""
         self._versions: dict[str, str | None] = {}
         self._warned: set[str] = set()
 
@@ -91,7 +96,7 @@ class Reuse:
         except NOT_COPIED as exc:
             self.not_copied(base, exc)
             return False
-        self.copied += digest.size
+        self.copied[key] = self.copied.get(key, 0) + digest.size
         return True
 
     async def copy_part(self, mpu: MultipartUpload, base: BaseObject, index: int, offset: int, length: int,
@@ -115,7 +120,7 @@ class Reuse:
                 log.warning("copy of %s part %d did not hold the recorded bytes: sent instead", base.key, index)
                 self._versions[base.key] = None
                 return None
-        self.copied += length
+        self.copied[mpu.key] = self.copied.get(mpu.key, 0) + length
         return info
 
 

@@ -28,6 +28,8 @@ class FileResult:
     digest: FileDigest
     chunks: tuple[bytes, ...] = ()
     """Its chunk digests, where the transfer learnt them."""
+    copied: int = 0
+    """Bytes of it the store copied from a base object instead of receiving them."""
 
 
 class TransferSession:

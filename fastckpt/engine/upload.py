@@ -72,7 +72,7 @@ class Uploads(TransferSession):
                     digest, chunks = await self._upload_reusing(fd, plan, key, path, if_absent, failed, batch, base)
                 finally:
                     os.close(fd)
-        return FileResult(key, path, digest, tuple(chunks))
+        return FileResult(key, path, digest, tuple(chunks), self.reuse.copied.get(key, 0))
 
     async def _upload_reusing(self, fd: int, plan: Plan, key: str, path: str, if_absent: bool, failed: asyncio.Event,
                               batch: int, base: BaseObject | None) -> tuple[FileDigest, list[bytes]]:
