@@ -30,7 +30,7 @@ STATE_AT = "fastckpt.state_tensor"
 STATE_TENSOR = "__fastckpt_state__"
 SMALL = 1 << 20
 """Tensors smaller than this are laid out after the large ones."""
-ALIGN_FROM = 4
+ALIGN_FROM = 8
 """Parts of large tensors from which the header is padded to align the small ones to a part."""
 MAX_HEADER = 256 << 20
 """Largest header accepted when reading (untrusted input)."""
