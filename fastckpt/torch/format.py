@@ -70,6 +70,12 @@ class Header:
     data_start: int
     raw: bytes
     state_tensor: str = ""
+    pad: int = 0
+    """Spaces that end the header after ``raw`` (a built header aligned to a part; ``head`` gives them)."""
+
+    def head(self) -> list[memoryview]:
+        """The header's bytes as views: ``raw``, then its padding (shared spaces, never copied)."""
+        return [memoryview(self.raw), _spaces(self.pad)]
 
     @property
     def size(self) -> int:
@@ -186,10 +192,20 @@ def build_header(tensors: dict[str, torch.Tensor], align: int = 0) -> Header:
         pos += nbytes[name]
     body = json.dumps(doc, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
-    if align and bulk >= ALIGN_FROM * align:
-        body += b" " * (-(8 + len(body) + bulk) % align)
-    raw = struct.pack("<Q", len(body)) + body
-    return Header(entries, None, len(raw), raw, STATE_TENSOR if STATE_TENSOR in tensors else "")
+    pad = -(8 + len(body) + bulk) % align if align and bulk >= ALIGN_FROM * align else 0
+    raw = struct.pack("<Q", len(body) + pad) + body
+    return Header(entries, None, len(raw) + pad, raw, STATE_TENSOR if STATE_TENSOR in tensors else "", pad)
+
+
+_SPACES = memoryview(b"")
+
+
+def _spaces(n: int) -> memoryview:
+    """``n`` spaces, from one buffer kept for the process (a save's padding costs no allocation in the caller)."""
+    global _SPACES
+    if len(_SPACES) < n:
+        _SPACES = memoryview(b" " * max(n, 2 * len(_SPACES)))
+    return _SPACES[:n]
 
 
 def state_of(header: Header, tensors: dict[str, torch.Tensor], what: str) -> Any:

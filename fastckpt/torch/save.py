@@ -66,7 +66,7 @@ def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int 
                           config=config, store=store, staging=Staging(), base=base).wait()
     tensors = with_state(skeleton, tensors)
     header = build_header(tensors, (config or TransferConfig.from_env()).part_size)
-    views = [header.raw] + [byte_view(tensors[n].detach().contiguous()) for n in header.tensors]
+    views = header.head() + [byte_view(tensors[n].detach().contiguous()) for n in header.tensors]
     return BackgroundLoop.get().run(_commit(Layout(views), uri, rank, world_size, barrier, attempt, config, store,
                                             base))
 
@@ -92,7 +92,7 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
     header = build_header(tensors, (config or TransferConfig.from_env()).part_size)
     with staging.claim(if_busy):
         data = staging.stage(header, tensors)
-        coro = _commit(Layout([header.raw, data]), uri, rank, world_size, barrier, attempt, config, store, base)
+        coro = _commit(Layout([*header.head(), data]), uri, rank, world_size, barrier, attempt, config, store, base)
         future = asyncio.run_coroutine_threadsafe(coro, BackgroundLoop.get().loop)
         staging.track(future)
     return SaveHandle(future, time.perf_counter() - started)
