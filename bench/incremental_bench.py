@@ -7,7 +7,9 @@ States (``--states``): ``lora``, a frozen bf16 base (``--base-gib``, 1 GiB by de
 their Adam moments (about 2% of it) that change every save; ``full``, the same tensors all changing every save. Each
 engine runs in its own process, which saves the state ``--saves`` times (rounds interleave the engines) and reports
 per save: seconds until committed, seconds the caller was blocked, client CPU seconds, bytes sent by the client and
-bytes copied in the store; the first save of a run (nothing to compare with) is left out of the medians. Afterwards
+bytes copied in the store; the first save of a run (nothing to compare with) is left out of the medians. Before each
+save the page cache is written back (``os.sync``, outside the clock), as between the saves of a training run minutes
+apart; ``--unsettled`` saves back to back. Afterwards
 each checkpoint but the first is loaded and compared bit for bit after the one before it (its base) was deleted.
 
 Engines: ``fastckpt`` (``fastckpt.torch.async_save``, no base), ``fastckpt-base`` (the same with ``base="latest"``),
@@ -179,6 +181,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     saves, prints = [], []
     for step in range(1, spec["saves"] + 1):
         advance(state, step)
+        if spec["settled"]:  # as between the saves of a training run, minutes apart
+            os.sync()
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         out = save(spec, state, f"step-{step}", staging)
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -212,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--saves", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--engines", default=None)
+    ap.add_argument("--unsettled", action="store_true",
+                    help="saves back to back (default: the page cache written back before each save, as between the "
+                         "saves of a training run)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -230,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             for kind in args.states.split(","):
                 for engine in engines:
                     spec = {"engine": engine, "target": args.target, "state": kind, "base_gib": args.base_gib,
-                            "saves": args.saves, "root": root, "scratch": os.path.join(work, "scratch"),
+                            "saves": args.saves, "settled": not args.unsettled, "root": root, "scratch": os.path.join(work, "scratch"),
                             "name": f"run-{engine}-{kind}-{rnd}", "endpoint": gateway.endpoint if gateway else ""}
                     os.makedirs(spec["scratch"], exist_ok=True)
                     os.sync()
@@ -248,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     print(summarize(runs, engines, args.states.split(",")))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"target": args.target, "root": root, "base_gib": args.base_gib, "runs": runs}, f, indent=1)
+            json.dump({"target": args.target, "root": root, "base_gib": args.base_gib, "settled": not args.unsettled,
+                       "runs": runs}, f, indent=1)
     return 0 if all("error" not in r and not r["problems"] for r in runs) else 1
 
 

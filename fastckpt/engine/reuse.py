@@ -9,6 +9,7 @@ again. Anything else (a backend or server that cannot copy, a base changed or go
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -45,43 +46,47 @@ class BaseObject:
 class Reuse:
     """The base objects of one transfer session and what it copied from them."""
 
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.copied: dict[str, int] = {}
+        """Bytes the store copied, by the key it copied them to."""
+        self._versions: dict[str, asyncio.Future[str | None]] = {}
+        self._stale: set[str] = set()
+        self._said_unsupported = False
+
     @property
     def total(self) -> int:
         """Bytes the store copied in this session."""
         return sum(self.copied.values())
 
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.copied: dict[str, int] = {}
-        """Bytes the store copied, by the key it copied them to."""
-        self._versions: dict[str, str | None] = {}
-        self._warned: set[str] = set()
-
     async def version(self, base: BaseObject) -> str | None:
-        """The version of ``base`` a copy may take (looked up once): None when its recorded digest is not the
-        manifest's, or it is gone."""
+        """The version of ``base`` a copy may take (looked up once, however many parts ask at once): None when its
+        recorded digest is not the manifest's, it is gone, or a copy found it changed."""
         if base.key not in self._versions:
-            try:
-                meta = await self.store.head(base.key)
-            except ObjectNotFoundError:
-                meta = None
-            same = meta is not None and meta.etag and FileDigest.from_metadata(meta.size, meta.metadata) == base.digest
-            self._versions[base.key] = meta.etag if same and meta is not None else None
-            if not same:
-                log.info("base object %s is not what its checkpoint recorded: its bytes are sent",
-                         self.store.uri(base.key))
-        return self._versions[base.key]
+            self._versions[base.key] = asyncio.ensure_future(self._look_up(base))
+        version = await asyncio.shield(self._versions[base.key])
+        return None if base.key in self._stale else version
+
+    async def _look_up(self, base: BaseObject) -> str | None:
+        try:
+            meta = await self.store.head(base.key)
+        except ObjectNotFoundError:
+            meta = None
+        if meta is None or not meta.etag or FileDigest.from_metadata(meta.size, meta.metadata) != base.digest:
+            log.info("base object %s is not what its checkpoint recorded: its bytes are sent", self.store.uri(base.key))
+            return None
+        return meta.etag
 
     def not_copied(self, base: BaseObject, exc: Exception) -> None:
-        """Note a copy that fell back to sending: the base's version is not used again; an unsupported copy is
-        logged once per store at debug level."""
+        """Note a copy that fell back to sending: a base found changed is not copied from again; an unsupported copy
+        is logged once per session at debug level."""
         if isinstance(exc, CopyUnsupportedError):
-            if type(exc).__name__ not in self._warned:
-                self._warned.add(type(exc).__name__)
+            if not self._said_unsupported:
+                self._said_unsupported = True
                 log.debug("%s: server-side copies unavailable (%s); bytes are sent", self.store.name, exc)
         else:
             log.info("base object %s changed or vanished: its bytes are sent (%s)", self.store.uri(base.key), exc)
-            self._versions[base.key] = None
+            self._stale.add(base.key)
 
     async def copy_whole(self, key: str, base: BaseObject, digest: FileDigest, *, if_absent: bool,
                          metadata: dict[str, str] | None) -> bool:
@@ -118,7 +123,7 @@ class Reuse:
             again = await off_loop(hash_file_range, target, offset, length, length)
             if again != [digest]:
                 log.warning("copy of %s part %d did not hold the recorded bytes: sent instead", base.key, index)
-                self._versions[base.key] = None
+                self._stale.add(base.key)
                 return None
         self.copied[mpu.key] = self.copied.get(mpu.key, 0) + length
         return info
