@@ -8,8 +8,8 @@ their Adam moments (about 2% of it) that change every save; ``full``, the same t
 engine runs in its own process, which saves the state ``--saves`` times (rounds interleave the engines) and reports
 per save: seconds until committed, seconds the caller was blocked, client CPU seconds, bytes sent by the client and
 bytes copied in the store; the first save of a run (nothing to compare with) is left out of the medians. Before each
-save the page cache is written back (``os.sync``, outside the clock), as between the saves of a training run minutes
-apart; ``--unsettled`` saves back to back. Afterwards
+save, outside the clock, the page cache is written back and dropped (``--cache cold``: the same start for every save
+and engine; needs root), only written back (``warm``), or left as it is (``unsettled``: saves back to back). Afterwards
 each checkpoint but the first is loaded and compared bit for bit after the one before it (its base) was deleted.
 
 Engines: ``fastckpt`` (``fastckpt.torch.async_save``, no base), ``fastckpt-base`` (the same with ``base="latest"``),
@@ -166,6 +166,15 @@ def check_after_base_deleted(spec: dict[str, Any], prints: list[dict[str, str]])
     return problems
 
 
+def settle(cache: str) -> None:
+    """The page cache before a save: written back (``warm``), and dropped too (``cold``: root only)."""
+    if cache in ("warm", "cold"):
+        os.sync()
+    if cache == "cold":
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+
+
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import resource
 
@@ -181,8 +190,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     saves, prints = [], []
     for step in range(1, spec["saves"] + 1):
         advance(state, step)
-        if spec["settled"]:  # as between the saves of a training run, minutes apart
-            os.sync()
+        settle(spec["cache"])
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         out = save(spec, state, f"step-{step}", staging)
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -216,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--saves", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--engines", default=None)
-    ap.add_argument("--unsettled", action="store_true",
-                    help="saves back to back (default: the page cache written back before each save, as between the "
-                         "saves of a training run)")
+    ap.add_argument("--cache", choices=("cold", "warm", "unsettled"), default="cold",
+                    help="before each save: written back and dropped (cold, the default), written back (warm), or "
+                         "nothing (unsettled: saves back to back)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -237,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             for kind in args.states.split(","):
                 for engine in engines:
                     spec = {"engine": engine, "target": args.target, "state": kind, "base_gib": args.base_gib,
-                            "saves": args.saves, "settled": not args.unsettled, "root": root, "scratch": os.path.join(work, "scratch"),
+                            "saves": args.saves, "cache": args.cache, "root": root, "scratch": os.path.join(work, "scratch"),
                             "name": f"run-{engine}-{kind}-{rnd}", "endpoint": gateway.endpoint if gateway else ""}
                     os.makedirs(spec["scratch"], exist_ok=True)
                     os.sync()
@@ -255,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     print(summarize(runs, engines, args.states.split(",")))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"target": args.target, "root": root, "base_gib": args.base_gib, "settled": not args.unsettled,
+            json.dump({"target": args.target, "root": root, "base_gib": args.base_gib, "cache": args.cache,
                        "runs": runs}, f, indent=1)
     return 0 if all("error" not in r and not r["problems"] for r in runs) else 1
 
