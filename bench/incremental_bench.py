@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             for kind in args.states.split(","):
                 for engine in engines:
                     spec = {"engine": engine, "target": args.target, "state": kind, "base_gib": args.base_gib,
-                            "saves": args.saves, "cache": args.cache, "root": root, "scratch": os.path.join(work, "scratch"),
+                            "saves": args.saves, "cache": args.cache, "root": root,
+                            "scratch": os.path.join(work, "scratch"),
                             "name": f"run-{engine}-{kind}-{rnd}", "endpoint": gateway.endpoint if gateway else ""}
                     os.makedirs(spec["scratch"], exist_ok=True)
                     os.sync()

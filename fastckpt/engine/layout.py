@@ -99,7 +99,7 @@ async def upload_layout(transfer: Transfer, layout: Layout, key: str, *, if_abse
     base = same_parts(base, digest, chunks)
     if base is not None and await _copied_whole(transfer, key, base, digest, if_absent, meta):
         return digest, chunks
-    if not plan.multipart and not (base is not None and base.digest == digest and store.local_file(key)):
+    if not plan.multipart:
         pieces = layout.pieces(0, layout.size)
         data: Buffer = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         try:

@@ -30,6 +30,8 @@ from .base import CopySource, MultipartUpload, ObjectMeta, PartInfo, PendingUplo
 
 TMP_SUFFIX = ".fastckpt-part"
 _XATTR = "user.fastckpt."
+_VERSION = "fastckpt-version"
+"""The file version (``version_of``) its other extended attributes were recorded for."""
 
 
 def _is_tmp(name: str) -> bool:
@@ -78,6 +80,22 @@ def _get_xattrs(path: str) -> dict[str, str]:
         return {n[len(_XATTR) :]: os.getxattr(path, n).decode() for n in names}
     except OSError:
         return {}
+
+
+def _record(path: str, metadata: dict[str, str]) -> None:
+    """Store ``metadata`` with the file's version, once its bytes are written: a file changed in place later (its
+    extended attributes stay) is another version, whose metadata ``head`` no longer reports."""
+    _set_xattrs(path, {**metadata, _VERSION: version_of(os.stat(path))})
+
+
+def _head_of(path: str, st: os.stat_result) -> tuple[str | None, dict[str, str]]:
+    """The version and metadata ``head`` reports: the metadata only when it was recorded for this version of the
+    file; no version for a file whose metadata names none (written by an earlier fastckpt: nothing copies from it)."""
+    found = _get_xattrs(path)
+    recorded, version = found.pop(_VERSION, None), version_of(st)
+    if recorded is None:
+        return None, found
+    return version, found if recorded == version else {}
 
 
 def version_of(st: os.stat_result) -> str:
@@ -180,7 +198,7 @@ class LocalUpload(MultipartUpload):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            _set_xattrs(self.upload_id, metadata or self._metadata)
+            _record(self.upload_id, metadata or self._metadata)
             _publish(self.upload_id, self._path, self._if_absent)
             if self._store.fsync:
                 _fsync_dir(os.path.dirname(self._path))
@@ -241,7 +259,7 @@ class LocalStore(Store):
             raise _translate(exc, path) from exc
         if not os.path.isfile(path):
             raise ObjectNotFoundError(f"{path} is not a file")
-        return ObjectMeta(key, st.st_size, st.st_mtime, version_of(st), _get_xattrs(path))
+        return ObjectMeta(key, st.st_size, st.st_mtime, *_head_of(path, st))
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
         return await read_range(self, key, start, length)
@@ -282,7 +300,7 @@ class LocalStore(Store):
                         os.fsync(fd)
                 finally:
                     os.close(fd)
-                _set_xattrs(tmp, metadata or {})
+                _record(tmp, metadata or {})
                 _publish(tmp, path, if_absent)
             except BaseException:
                 if os.path.exists(tmp):

@@ -185,7 +185,8 @@ class Writer(_Location, StorageWriter):
             else:
                 tensor = data.detach().to("cpu").contiguous()
                 items.append((byte_view(tensor), tensor.dtype, tuple(tensor.shape)))
-        views, offsets = lay_out([v for v, _, _ in items], (self.config or TransferConfig.from_env()).part_size)
+        align = (self.config or TransferConfig.from_env()).part_size if self.base is not None else 0
+        views, offsets = lay_out([v for v, _, _ in items], align)
         stored = [StoredItem(name, o, len(v), d, s) for (v, d, s), o in zip(items, offsets, strict=True)]
         manifest = _run(self._write(where, name, Layout(views)))
         if stored:

@@ -165,8 +165,9 @@ def build_header(tensors: dict[str, torch.Tensor], align: int = 0) -> Header:
     The same tensors (names, shapes, dtypes) always give the same header and offsets, so an unchanged tensor lands in
     the same chunks save after save. Tensors of at least ``SMALL`` bytes come first (the frozen weights of a
     fine-tune), the small ones after them (adapters, their optimizer state), the skeleton last; each run by falling
-    element size, which keeps every tensor aligned. With ``align`` (the part size) and enough large tensors, the
-    header is padded with spaces so that the small ones start a part: their changes touch no part of the large ones.
+    element size, which keeps every tensor aligned. With ``align`` (the part size of an incremental save) and enough
+    large tensors, the header is padded with spaces so that the small ones start a part: their changes touch no part
+    of the large ones.
     """
     names = [n for n in tensors if n != STATE_TENSOR]
     nbytes = {n: tensors[n].numel() * tensors[n].element_size() for n in names}

@@ -65,7 +65,7 @@ def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int 
         return async_save(state_dict, uri, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
                           config=config, store=store, staging=Staging(), base=base).wait()
     tensors = with_state(skeleton, tensors)
-    header = build_header(tensors, (config or TransferConfig.from_env()).part_size)
+    header = build_header(tensors, _align(config, base))
     views = header.head() + [byte_view(tensors[n].detach().contiguous()) for n in header.tensors]
     return BackgroundLoop.get().run(_commit(Layout(views), uri, rank, world_size, barrier, attempt, config, store,
                                             base))
@@ -89,13 +89,18 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
     staging = staging or default_staging(rank)
     skeleton, tensors = flatten(state_dict)
     tensors = with_state(skeleton, tensors)
-    header = build_header(tensors, (config or TransferConfig.from_env()).part_size)
+    header = build_header(tensors, _align(config, base))
     with staging.claim(if_busy):
         data = staging.stage(header, tensors)
         coro = _commit(Layout([*header.head(), data]), uri, rank, world_size, barrier, attempt, config, store, base)
         future = asyncio.run_coroutine_threadsafe(coro, BackgroundLoop.get().loop)
         staging.track(future)
     return SaveHandle(future, time.perf_counter() - started)
+
+
+def _align(config: TransferConfig | None, base: str | None) -> int:
+    """What a rank file is laid out for: parts of an incremental save (``build_header``), nothing otherwise."""
+    return (config or TransferConfig.from_env()).part_size if base is not None else 0
 
 
 async def _commit(layout: Layout, uri: str, rank: int, world_size: int, barrier: Barrier | None,
