@@ -13,7 +13,8 @@ and engine; needs root), only written back (``warm``), or left as it is (``unset
 each checkpoint but the first is loaded and compared bit for bit after the one before it (its base) was deleted.
 
 Engines: ``fastckpt`` (``fastckpt.torch.async_save``, no base), ``fastckpt-base`` (the same with ``base="latest"``),
-``fastckpt-dcp-base`` (``dcp.save`` through ``fastckpt.torch.dcp.Writer(base="latest")``), ``dcp``
+``fastckpt-save`` and ``fastckpt-save-base`` (``fastckpt.torch.save``: CPU tensors sent from their memory, no
+staging copy), ``fastckpt-dcp-base`` (``dcp.save`` through ``fastckpt.torch.dcp.Writer(base="latest")``), ``dcp``
 (``FileSystemWriter``, then ``s5cmd cp`` to S3), ``s3torchconnector`` (its DCP writer; S3 only).
 """
 
@@ -37,8 +38,9 @@ if REPO not in sys.path:
 from bench.juicefs import JuiceFSGateway, delete_prefix  # noqa: E402
 from bench.state_bench import BUCKET, fastckpt_uri, s3_env, s3tc_fs, s5cmd  # noqa: E402
 
-ENGINES = {"local": ["fastckpt", "fastckpt-base", "fastckpt-dcp-base", "dcp"],
-           "s3": ["fastckpt", "fastckpt-base", "fastckpt-dcp-base", "dcp", "s3torchconnector"]}
+ENGINES = {"local": ["fastckpt", "fastckpt-base", "fastckpt-save", "fastckpt-save-base", "fastckpt-dcp-base", "dcp"],
+           "s3": ["fastckpt", "fastckpt-base", "fastckpt-save", "fastckpt-save-base", "fastckpt-dcp-base", "dcp",
+                  "s3torchconnector"]}
 HIDDEN, RANK = 2048, 4
 
 
@@ -100,6 +102,12 @@ def save(spec: dict[str, Any], state: Any, name: str, staging: Any) -> dict[str,
                                base="latest" if engine == "fastckpt-base" else None)
         blocked = time.perf_counter() - started
         result = handle.wait()
+        sent, copied = result.sent, result.copied
+    elif engine in ("fastckpt-save", "fastckpt-save-base"):
+        import fastckpt.torch as ft
+
+        result = ft.save(state, fastckpt_uri(where), base="latest" if engine.endswith("-base") else None)
+        blocked = time.perf_counter() - started
         sent, copied = result.sent, result.copied
     elif engine == "fastckpt-dcp-base":
         from fastckpt.torch.dcp import Writer
