@@ -1,10 +1,11 @@
 """A ``torch.distributed.checkpoint`` storage plugin: ``dcp.save`` / ``async_save`` / ``load`` on any backend.
 
 Each rank writes its items into one file, ``rank-NNNNN.distcp`` (tensor bytes raw, byte items as DCP hands
-them over), created if absent, with its chunk digests in the rank's manifest. The ranks' manifests reach the
-coordinator through DCP's own gather; in ``finish`` it writes DCP's ``.metadata`` and every manifest, then
-the commit marker. A save is visible only once the marker exists: DCP's ``.metadata`` alone commits
-nothing, and a rank that dies mid-save leaves an attempt that ``gc`` removes.
+them over; in incremental saves its items of 1 MiB and more go to ``rank-NNNNN-large.distcp``), created if
+absent, with its chunk digests in the rank's manifest. The ranks' manifests reach the coordinator through
+DCP's own gather; in ``finish`` it writes DCP's ``.metadata`` and every manifest, then the commit marker. A
+save is visible only once the marker exists: DCP's ``.metadata`` alone commits nothing, and a rank that dies
+mid-save leaves an attempt that ``gc`` removes.
 
 The reader opens committed checkpoints only. Any rank may read any part of any file (DCP reshards on
 load); every chunk read is checked against its recorded digest. ``.metadata`` is read with
@@ -56,7 +57,7 @@ from ..errors import CheckpointError, IntegrityError
 from ..stores.base import Store
 from ..tasks import gather_all
 from ..uri import StorageURI, parse_uri
-from .dcp_layout import Span, lay_out
+from .dcp_layout import Span, rank_file, rank_files
 from .group_dcp import GroupRead
 from .staging import byte_view
 
@@ -91,10 +92,6 @@ class StoredItem:
     manifest: bytes | None = None
     """The writing rank's manifest, carried to the coordinator on the rank's first item (dropped before
     ``.metadata`` is written)."""
-
-
-def _rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.distcp"
 
 
 def _run(coro: Any) -> Any:
@@ -171,12 +168,12 @@ class Writer(_Location, StorageWriter):
             found = await resolve_base(store, target, self.base)
         if found is None:
             return [None] * world_size
-        return [BaseCheckpoint(found.uri, found.key, {n: e for n, e in found.files.items() if n == _rank_file(r)}
-                               ).encode() for r in range(world_size)]
+        return [BaseCheckpoint(found.uri, found.key, {n: e for n, e in found.files.items()
+                                                      if n in (rank_file(r), rank_file(r, "large"))}).encode()
+                for r in range(world_size)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         where: _RankPlan = plan.storage_data
-        name = _rank_file(where.rank)
         items: list[tuple[memoryview, torch.dtype | None, tuple[int, ...] | None]] = []
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -185,24 +182,32 @@ class Writer(_Location, StorageWriter):
             else:
                 tensor = data.detach().to("cpu").contiguous()
                 items.append((byte_view(tensor), tensor.dtype, tuple(tensor.shape)))
-        align = (self.config or TransferConfig.from_env()).part_size if self.base is not None else 0
-        views, offsets = lay_out([v for v, _, _ in items], align)
-        stored = [StoredItem(name, o, len(v), d, s) for (v, d, s), o in zip(items, offsets, strict=True)]
-        manifest = _run(self._write(where, name, Layout(views)))
-        if stored:
-            stored[0] = dataclasses.replace(stored[0], manifest=manifest)
+        stored: list[StoredItem | None] = [None] * len(items)
+        files = []
+        for name, indexes in rank_files(where.rank, [len(v) for v, _, _ in items], self.base is not None):
+            offset = 0
+            for i in indexes:
+                view, dtype, shape = items[i]
+                stored[i] = StoredItem(name, offset, len(view), dtype, shape)
+                offset += len(view)
+            files.append((name, Layout([items[i][0] for i in indexes])))
+        manifest = _run(self._write(where, files))
+        done = [s for s in stored if s is not None]
+        if done:
+            done[0] = dataclasses.replace(done[0], manifest=manifest)
         return _done([WriteResult(index=i.index, size_in_bytes=s.length, storage_data=s)
-                      for i, s in zip(plan.items, stored, strict=True)])
+                      for i, s in zip(plan.items, done, strict=True)])
 
-    async def _write(self, where: _RankPlan, name: str, layout: Layout) -> bytes:
+    async def _write(self, where: _RankPlan, files: list[tuple[str, Layout]]) -> bytes:
         async with self._store() as (target, cfg, store):
             base = BaseCheckpoint.decode(where.base, f"base of {target.raw}") if where.base else None
             writer = CheckpointWriter(target, rank=where.rank, world_size=where.world_size, attempt=where.attempt,
                                       config=cfg, barrier=HandedBarrier({}), store=store, base=base)
             await writer.__aenter__()
             try:
-                if layout.size:
-                    await writer.put_layout(name, layout)
+                for name, layout in files:
+                    if layout.size:
+                        await writer.put_layout(name, layout)
             except BaseException as exc:
                 with contextlib.suppress(Exception):  # the upload's own error is what the caller sees
                     await writer.hand_off(exc)

@@ -1,4 +1,4 @@
-"""Where DCP items lie in a rank file: the writer's order (``lay_out``) and the reader's spans (``Span``)."""
+"""Where DCP items lie: the files a rank writes (``rank_files``) and the spans a reader reads (``Span``)."""
 
 from __future__ import annotations
 
@@ -9,28 +9,26 @@ from typing import Any
 import torch
 
 from ..engine.layout import Layout
-from .format import ALIGN_FROM, SMALL
+from .format import SMALL
 from .staging import byte_view
 
 
-def lay_out(views: list[memoryview], align: int) -> tuple[list[memoryview], list[int]]:
-    """The file's views and the offset of each item of ``views``: items of at least ``SMALL`` bytes first (in plan
-    order, which is the same save after save for the same state), then the small ones, which start a part of
-    ``align`` bytes when there are enough large ones (zeros between): a changed adapter or optimizer state then
-    shares no part with an unchanged weight, and an incremental save copies every part of the weights."""
-    big = [i for i, v in enumerate(views) if len(v) >= SMALL]
-    small = [i for i, v in enumerate(views) if len(v) < SMALL]
-    bulk = sum(len(views[i]) for i in big)
-    out, offsets, pos = [], [0] * len(views), 0
-    for group in (big, small):
-        if group is small and align and bulk >= ALIGN_FROM * align and bulk % align:
-            out.append(memoryview(bytes(align - bulk % align)))
-            pos += len(out[-1])
-        for i in group:
-            offsets[i] = pos
-            out.append(views[i])
-            pos += len(views[i])
-    return out, offsets
+def rank_files(rank: int, sizes: list[int], split: bool) -> list[tuple[str, list[int]]]:
+    """The files rank ``rank`` writes, each with the indexes of the items it holds (in plan order, which is the same
+    save after save for the same state): one file; with ``split`` (incremental saves), the items of at least ``SMALL``
+    bytes (the weights of a fine-tune, frozen or not) in ``rank-NNNNN-large.distcp`` and the others (adapters,
+    optimizer state of small tensors, byte items) in ``rank-NNNNN.distcp``, so that an unchanged large file is copied
+    whole by the store, in one request (an S3 ``CopyObject`` moves no bytes on gateways that only relink them)."""
+    if not split:
+        return [(rank_file(rank), list(range(len(sizes))))]
+    large = [i for i, n in enumerate(sizes) if n >= SMALL]
+    small = [i for i, n in enumerate(sizes) if n < SMALL]
+    return [(name, group) for name, group in ((rank_file(rank, "large"), large), (rank_file(rank), small)) if group]
+
+
+def rank_file(rank: int, part: str = "") -> str:
+    """Name of one of rank ``rank``'s files."""
+    return f"rank-{rank:05d}{'-' + part if part else ''}.distcp"
 
 
 @dataclass
