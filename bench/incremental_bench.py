@@ -14,7 +14,8 @@ each checkpoint but the first is loaded and compared bit for bit after the one b
 
 Engines: ``fastckpt`` (``fastckpt.torch.async_save``, no base), ``fastckpt-base`` (the same with ``base="latest"``),
 ``fastckpt-save`` and ``fastckpt-save-base`` (``fastckpt.torch.save``: CPU tensors sent from their memory, no
-staging copy), ``fastckpt-dcp-base`` (``dcp.save`` through ``fastckpt.torch.dcp.Writer(base="latest")``), ``dcp``
+staging copy), ``fastckpt-dcp`` and ``fastckpt-dcp-base`` (``dcp.save`` through ``fastckpt.torch.dcp.Writer``,
+without and with ``base="latest"``), ``dcp``
 (``FileSystemWriter``, then ``s5cmd cp`` to S3), ``s3torchconnector`` (its DCP writer; S3 only).
 """
 
@@ -38,9 +39,10 @@ if REPO not in sys.path:
 from bench.juicefs import JuiceFSGateway, delete_prefix  # noqa: E402
 from bench.state_bench import BUCKET, fastckpt_uri, s3_env, s3tc_fs, s5cmd  # noqa: E402
 
-ENGINES = {"local": ["fastckpt", "fastckpt-base", "fastckpt-save", "fastckpt-save-base", "fastckpt-dcp-base", "dcp"],
-           "s3": ["fastckpt", "fastckpt-base", "fastckpt-save", "fastckpt-save-base", "fastckpt-dcp-base", "dcp",
-                  "s3torchconnector"]}
+ENGINES = {"local": ["fastckpt", "fastckpt-base", "fastckpt-save", "fastckpt-save-base", "fastckpt-dcp",
+                     "fastckpt-dcp-base", "dcp"],
+           "s3": ["fastckpt", "fastckpt-base", "fastckpt-save", "fastckpt-save-base", "fastckpt-dcp", "fastckpt-dcp-base",
+                  "dcp", "s3torchconnector"]}
 HIDDEN, RANK = 2048, 4
 
 
@@ -109,10 +111,10 @@ def save(spec: dict[str, Any], state: Any, name: str, staging: Any) -> dict[str,
         result = ft.save(state, fastckpt_uri(where), base="latest" if engine.endswith("-base") else None)
         blocked = time.perf_counter() - started
         sent, copied = result.sent, result.copied
-    elif engine == "fastckpt-dcp-base":
+    elif engine in ("fastckpt-dcp", "fastckpt-dcp-base"):
         from fastckpt.torch.dcp import Writer
 
-        writer = Writer(fastckpt_uri(where), base="latest")
+        writer = Writer(fastckpt_uri(where), base="latest" if engine.endswith("-base") else None)
         dcp.save(state, storage_writer=writer)
         blocked = time.perf_counter() - started
         assert writer.result is not None
@@ -164,7 +166,7 @@ def check_after_base_deleted(spec: dict[str, Any], prints: list[dict[str, str]])
     for i in range(1, len(prints)):
         asyncio.run(remove(fastckpt_uri({**spec, "name": f"{spec['name']}/step-{i}"})))
         uri = fastckpt_uri({**spec, "name": f"{spec['name']}/step-{i + 1}"})
-        if spec["engine"] == "fastckpt-dcp-base":
+        if spec["engine"].startswith("fastckpt-dcp"):
             loaded = make_state(spec["state"], spec["base_gib"])
             dcp.load(loaded, storage_reader=Reader(uri))
         else:
