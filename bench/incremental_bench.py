@@ -41,8 +41,8 @@ from bench.state_bench import BUCKET, fastckpt_uri, s3_env, s3tc_fs, s5cmd  # no
 
 ENGINES = {"local": ["fastckpt", "fastckpt-base", "fastckpt-save", "fastckpt-save-base", "fastckpt-dcp",
                      "fastckpt-dcp-base", "dcp"],
-           "s3": ["fastckpt", "fastckpt-base", "fastckpt-save", "fastckpt-save-base", "fastckpt-dcp", "fastckpt-dcp-base",
-                  "dcp", "s3torchconnector"]}
+           "s3": ["fastckpt", "fastckpt-base", "fastckpt-save", "fastckpt-save-base", "fastckpt-dcp",
+                  "fastckpt-dcp-base", "dcp", "s3torchconnector"]}
 HIDDEN, RANK = 2048, 4
 
 
