@@ -118,18 +118,28 @@ def test_a_rank_that_dies_fails_the_others_in_bounded_time(tmp_path: Path) -> No
         assert record["seconds"] < 60
 
 
-def saved_state(uri: str) -> dict[str, str]:
-    """Rank 0's tensor state (7 MiB: several chunks on every backend) saved to ``uri``; the sha256 of each
-    tensor's bytes."""
+def saved_state(uri: str, base: str | None = None) -> dict[str, str]:
+    """Rank 0's tensor state (7 MiB: several chunks on every backend) saved to ``uri`` (``base``: incrementally, its
+    large tensors in a file of their own); the sha256 of each tensor's bytes."""
     torch = pytest.importorskip("torch")
     import fastckpt.torch as ft
 
     gen = torch.Generator().manual_seed(7)
     state = {"embed": torch.randn(1024, 1024, generator=gen), "head": torch.randn(512, 1536, generator=gen),
              "step": torch.tensor([3])}
-    ft.save(state, uri, config=fastckpt.TransferConfig(part_size=1 << 20))
+    ft.save(state, uri, config=fastckpt.TransferConfig(part_size=1 << 20), base=base)
     return {k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
             for k, v in state.items()}
+
+
+def test_an_incremental_state_loads_in_a_group(tmp_path: Path) -> None:
+    """A state saved with ``base=`` is in two files (its large tensors, and the rest with the skeleton): every rank
+    of the group loads both, each byte read once, bit-exact."""
+    uri = f"file://{tmp_path}/store/incremental"
+    want = saved_state(uri, base="latest")
+    assert sorted(fastckpt.open_checkpoint(uri).files) == ["rank-00000-large.safetensors", "rank-00000.safetensors"]
+    records = job(tmp_path, uri, mode="load")
+    assert all(r["ok"] and r["files"] == want for r in records), [r["error"] for r in records]
 
 
 def test_a_corrupt_state_fails_every_loading_rank(tmp_path: Path) -> None:

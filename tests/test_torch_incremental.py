@@ -12,7 +12,8 @@ import fastckpt  # noqa: E402
 import fastckpt.torch as ft  # noqa: E402
 from fastckpt import CheckpointWriter  # noqa: E402
 from fastckpt.config import TransferConfig  # noqa: E402
-from fastckpt.torch.format import build_header, flatten, with_state  # noqa: E402
+from fastckpt.torch.format import flatten, with_state  # noqa: E402
+from fastckpt.torch.save import rank_files  # noqa: E402
 from harness.uris import below  # noqa: E402
 
 PART = 1 << 20
@@ -44,19 +45,18 @@ def same(a, b) -> bool:
     return a == b
 
 
-def test_same_tensors_same_header_whatever_the_values() -> None:
-    """Keys, shapes and dtypes fix the header and every offset; the skeleton's values live in the state tensor."""
+def test_same_tensors_same_files_whatever_the_values() -> None:
+    """Keys, shapes and dtypes fix the files, their headers and every offset; the skeleton's values live in the
+    state tensor of the small file, and the large tensors have a file of their own."""
     frozen = frozen_weights()
-    headers = []
+    layouts = []
     for step in (1, 2, 99):
         skeleton, tensors = flatten(lora_state(step, frozen))
-        headers.append(build_header(with_state(skeleton, tensors), PART))
-    assert headers[0].raw == headers[1].raw == headers[2].raw
-    first = headers[0]
-    bulk_end = first.data_start + sum(e.nbytes for n, e in first.tensors.items() if n.startswith("model.layers")
-                                      and "lora" not in n)
-    assert bulk_end % PART == 0  # the small tensors start a part
-    assert all(e.start + first.data_start >= bulk_end for n, e in first.tensors.items() if "lora" in n or "optim" in n)
+        layouts.append([(name, h.raw) for name, h in rank_files(0, skeleton, tensors, True)])
+    assert layouts[0] == layouts[1] == layouts[2]
+    (large, large_raw), (small, _) = layouts[0]
+    assert (large, small) == ("rank-00000-large.safetensors", "rank-00000.safetensors")
+    assert all(f"model.{k}".encode() in large_raw for k in frozen) and b"lora" not in large_raw
 
 
 @pytest.mark.parametrize("how", ["save", "async_save"])

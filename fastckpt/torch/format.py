@@ -5,9 +5,9 @@ the tensors' bytes back to back. The skeleton is the state dict as JSON, each te
 containers and scalars are tagged so they come back as they went in (``{"d": [[key, value], ...]}`` for a dict of
 any keys, ``{"t": [...]}`` for a tuple, ``{"f": "nan"}`` for non-finite floats, ``{"b": base64}`` for bytes);
 nothing is pickled, so loading never runs code. It is stored as the last tensor, ``__fastckpt_state__`` (U8, named
-by the header's ``fastckpt.state_tensor``), so that the header of a state whose values change stays the same: an
-incremental save copies every part that holds unchanged tensors (``build_header``). Files of earlier versions hold
-it in the header's ``fastckpt.state``; both are read.
+by the header's ``fastckpt.state_tensor``), so that the header of a state whose values change stays the same and
+an incremental save copies every chunk of unchanged tensors (``build_header``; the large tensors then have a file of
+their own, ``split_large``). Files of earlier versions hold it in the header's ``fastckpt.state``; both are read.
 """
 from __future__ import annotations
 
@@ -29,9 +29,7 @@ STATE_AT = "fastckpt.state_tensor"
 """Header metadata naming the tensor that holds the skeleton."""
 STATE_TENSOR = "__fastckpt_state__"
 SMALL = 1 << 20
-"""Tensors smaller than this are laid out after the large ones."""
-ALIGN_FROM = 8
-"""Parts of large tensors from which the header is padded to align the small ones to a part."""
+"""Tensors of at least this many bytes go to a file of their own in incremental saves (``split_large``)."""
 MAX_HEADER = 256 << 20
 """Largest header accepted when reading (untrusted input)."""
 
@@ -70,12 +68,6 @@ class Header:
     data_start: int
     raw: bytes
     state_tensor: str = ""
-    pad: int = 0
-    """Spaces that end the header after ``raw`` (a built header aligned to a part; ``head`` gives them)."""
-
-    def head(self) -> list[memoryview]:
-        """The header's bytes as views: ``raw``, then its padding (shared spaces, never copied)."""
-        return [memoryview(self.raw), _spaces(self.pad)]
 
     @property
     def size(self) -> int:
@@ -159,54 +151,37 @@ def with_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> dict[str, tor
     return {**tensors, STATE_TENSOR: torch.frombuffer(blob, dtype=torch.uint8)}
 
 
-def build_header(tensors: dict[str, torch.Tensor], align: int = 0) -> Header:
-    """The header of a rank file holding ``tensors`` (with their skeleton in ``STATE_TENSOR``, see ``with_state``).
-
-    The same tensors (names, shapes, dtypes) always give the same header and offsets, so an unchanged tensor lands in
-    the same chunks save after save. Tensors of at least ``SMALL`` bytes come first (the frozen weights of a
-    fine-tune), the small ones after them (adapters, their optimizer state), the skeleton last; each run by falling
-    element size, which keeps every tensor aligned. With ``align`` (the part size of an incremental save) and enough
-    large tensors, the header is padded with spaces so that the small ones start a part: their changes touch no part
-    of the large ones.
-    """
-    names = [n for n in tensors if n != STATE_TENSOR]
-    nbytes = {n: tensors[n].numel() * tensors[n].element_size() for n in names}
-    big = [n for n in names if nbytes[n] >= SMALL]
-    bulk = sum(nbytes[n] for n in big)
-    def by_size(name: str) -> int:
-        return -tensors[name].element_size()
-
-    if bulk % 8:  # the small ones could not all stay aligned after the large ones
-        big, bulk = [], 0
-    order = sorted(big, key=by_size) + sorted((n for n in names if n not in big), key=by_size)
+def build_header(tensors: dict[str, torch.Tensor]) -> Header:
+    """The header of a rank file holding ``tensors`` (with their skeleton in ``STATE_TENSOR``, see ``with_state``),
+    stored by falling element size, which keeps every tensor aligned, the skeleton last. The same tensors (names,
+    shapes, dtypes) always give the same header and offsets, so an unchanged tensor lands in the same chunks save
+    after save."""
+    order = sorted((n for n in tensors if n != STATE_TENSOR), key=lambda n: -tensors[n].element_size())
     meta = {"format": "pt"}
     if STATE_TENSOR in tensors:
         order.append(STATE_TENSOR)
-        nbytes[STATE_TENSOR], meta[STATE_AT] = tensors[STATE_TENSOR].numel(), STATE_TENSOR
+        meta[STATE_AT] = STATE_TENSOR
     doc: dict[str, Any] = {"__metadata__": meta}
     entries: dict[str, TensorEntry] = {}
     pos = 0
     for name in order:
         t = tensors[name]
-        entries[name] = TensorEntry(name, t.dtype, tuple(t.shape), pos, pos + nbytes[name])
-        doc[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + nbytes[name]]}
-        pos += nbytes[name]
+        nbytes = t.numel() * t.element_size()
+        entries[name] = TensorEntry(name, t.dtype, tuple(t.shape), pos, pos + nbytes)
+        doc[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
     body = json.dumps(doc, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
-    pad = -(8 + len(body) + bulk) % align if align and bulk >= ALIGN_FROM * align else 0
-    raw = struct.pack("<Q", len(body) + pad) + body
-    return Header(entries, None, len(raw) + pad, raw, STATE_TENSOR if STATE_TENSOR in tensors else "", pad)
+    raw = struct.pack("<Q", len(body)) + body
+    return Header(entries, None, len(raw), raw, STATE_TENSOR if STATE_TENSOR in tensors else "")
 
 
-_SPACES = memoryview(b"")
-
-
-def _spaces(n: int) -> memoryview:
-    """``n`` spaces, from one buffer kept for the process (a save's padding costs no allocation in the caller)."""
-    global _SPACES
-    if len(_SPACES) < n:
-        _SPACES = memoryview(b" " * max(n, 2 * len(_SPACES)))
-    return _SPACES[:n]
+def split_large(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``tensors`` cut in two for an incremental save: those of at least ``SMALL`` bytes (the weights of a fine-tune,
+    frozen or not), and the others with the skeleton (adapters, their optimizer state, scalars), which change at every
+    save. Each half is a file of its own, so that an unchanged half is copied whole by the store."""
+    large = {n: t for n, t in tensors.items() if n != STATE_TENSOR and t.numel() * t.element_size() >= SMALL}
+    return large, {n: t for n, t in tensors.items() if n not in large}
 
 
 def state_of(header: Header, tensors: dict[str, torch.Tensor], what: str) -> Any:

@@ -25,8 +25,8 @@ from ..errors import CheckpointError, IntegrityError
 from ..integrity import ChunkHasher, FileDigest
 from ..stores.base import Store
 from ..uri import StorageURI
-from .format import parse_header, state_of
-from .load import Target, destinations, file_layout, header_bytes, rank_entry
+from .format import Header, flatten, parse_header, state_of
+from .load import Target, check_given, destinations, file_layout, header_bytes, state_files
 
 Range = tuple[int, int, int]
 """(start, end, owner rank) of a part of one file."""
@@ -56,12 +56,36 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
     plan = await call.share(plan)
     call.raise_first([plan.get("error")])  # rank 0's, known to every rank now
     files = {n: FileDigest(*v) for n, v in plan["files"].items()}
-    name, error = "", None
+    names: list[str] = []
+    error = None
     try:
-        name = rank_entry(plan["saved"], files, base, rank, world_size)[0]
+        names = [n for n, _ in state_files(plan["saved"], files, base, rank, world_size)]
     except CheckpointError as exc:
         error = str(exc)
     await call.agree(error)
+    counts = await call.gather(len(names))
+    call.raise_first([None if len(set(counts)) == 1 else
+                      f"checkpoint {base.raw}: the ranks' states are in {sorted(set(counts))} files (saved "
+                      "incrementally and not), so they cannot be loaded together"])
+    given = flatten(state_dict)[1] if state_dict is not None else {}
+    loaded: dict[str, torch.Tensor] = {}
+    for name in names:
+        header = await _load_file(call, plan, files, name, base, cfg, store, given, device, loaded)
+    what = f"{base.raw}/{names[-1]}"
+    missing = None
+    try:
+        check_given(given, loaded, what)
+    except CheckpointError as exc:
+        missing = str(exc)
+    await call.agree(missing)
+    return state_of(header, loaded, what)
+
+
+async def _load_file(call: GroupCall, plan: dict[str, Any], files: dict[str, FileDigest], name: str,
+                     base: StorageURI, cfg: TransferConfig, store: Store, given: dict[str, torch.Tensor],
+                     device: str | torch.device | None, loaded: dict[str, torch.Tensor]) -> Header:
+    """One file of the state this rank loads, read once for the group (every rank calls this the same number of
+    times, each for its own file); its tensors go into ``loaded``, its header is returned."""
     wanted = await call.gather(name)
     digest, key, what = files[name], base.join(name), f"{base.raw}/{name}"
     needers = [r for r, n in enumerate(wanted) if n == name]
@@ -77,7 +101,7 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
             header = parse_header(headers[needers[0]][0], digest.size, what)
             targets = [Target(t.entry, t.tensor, t.bounce if t.dest.device.type == "cpu" else
                               torch.empty(t.entry.shape, dtype=t.entry.dtype))
-                       for t in destinations(header, state_dict, torch.device(device or "cpu"), what)]
+                       for t in destinations(header, given, torch.device(device or "cpu"), what)]
             head = bytearray(header.data_start)
             layout = file_layout(header, targets, head)
             for start, end, owner in parts:
@@ -105,7 +129,8 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
     for t in targets:
         if t.bounce is not None:
             t.tensor.copy_(t.bounce)
-    return state_of(header, {t.entry.name: t.tensor for t in targets}, what)
+    loaded.update((t.entry.name, t.tensor) for t in targets)
+    return header
 
 
 async def _header(transfer: Transfer, key: str, digest: FileDigest, what: str) -> tuple[bytes, str | None]:

@@ -73,26 +73,30 @@ async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: s
 
             return await load_in_group(base, cfg, store, group, state_dict, device, rank, world_size)
         ckpt = await open_checkpoint_async(base, config=cfg, store=store)
-        name, digest = rank_entry(ckpt.info.world_size or 1, ckpt.files, base, rank, world_size)
-        key, what = ckpt.file_key(name), f"{base.raw}/{name}"
+        given = flatten(state_dict)[1] if state_dict is not None else {}
+        loaded: dict[str, torch.Tensor] = {}
         transfer = Transfer(store, cfg)
         try:
-            header = parse_header(await header_bytes(transfer, key, digest.size, what), digest.size, what)
-            if header.size != digest.size:
-                raise CheckpointError(f"{what}: header describes {header.size} bytes, the manifest {digest.size}")
-            targets = destinations(header, state_dict, torch.device(device or "cpu"), what)
-            staged = staging is not None or any(t.dest.device.type != "cpu" for t in targets)
-            if staged:
-                chunks = await _read_staged(transfer, key, header, targets, digest, staging or Staging(256 << 20))
-            else:
-                chunks = await _read_direct(transfer, key, header, targets, digest)
+            for name, digest in state_files(ckpt.info.world_size or 1, ckpt.files, base, rank, world_size):
+                key, what = ckpt.file_key(name), f"{base.raw}/{name}"
+                header = parse_header(await header_bytes(transfer, key, digest.size, what), digest.size, what)
+                if header.size != digest.size:
+                    raise CheckpointError(f"{what}: header describes {header.size} bytes, the manifest {digest.size}")
+                targets = destinations(header, given, torch.device(device or "cpu"), what)
+                staged = staging is not None or any(t.dest.device.type != "cpu" for t in targets)
+                if staged:
+                    chunks = await _read_staged(transfer, key, header, targets, digest, staging or Staging(256 << 20))
+                else:
+                    chunks = await _read_direct(transfer, key, header, targets, digest)
+                digest.check(chunks, what)
+                for t in targets:
+                    if t.bounce is not None:
+                        t.tensor.copy_(t.bounce)
+                loaded.update((t.entry.name, t.tensor) for t in targets)
         finally:
             transfer.close()
-    digest.check(chunks, what)
-    for t in targets:
-        if t.bounce is not None:
-            t.tensor.copy_(t.bounce)
-    return state_of(header, {t.entry.name: t.tensor for t in targets}, what)
+    check_given(given, loaded, f"{base.raw}/{name}")
+    return state_of(header, loaded, what)
 
 
 async def header_bytes(transfer: Transfer, key: str, size: int, what: str) -> bytes:
@@ -122,12 +126,26 @@ def rank_entry(saved: int, files: Mapping[str, FileDigest | None], base: Storage
     return name, digest
 
 
-def destinations(header: Header, template: Any, device: torch.device, what: str) -> list[Target]:
-    """Destination tensors in file order: the template's (checked) or new ones on ``device``."""
-    given = flatten(template)[1] if template is not None else {}
-    missing = sorted(set(given) - set(header.tensors))
+def state_files(saved: int, files: Mapping[str, FileDigest | None], base: StorageURI, rank: int | None,
+                world_size: int | None) -> list[tuple[str, FileDigest]]:
+    """The files of ``rank``'s state (``rank_entry``): its large tensors' file first where an incremental save wrote
+    one, the file with the skeleton last."""
+    name, digest = rank_entry(saved, files, base, rank, world_size)
+    large = name.replace(".safetensors", "-large.safetensors")
+    found = files.get(large)
+    return ([(large, found)] if found is not None else []) + [(name, digest)]
+
+
+def check_given(given: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor], what: str) -> None:
+    """Every tensor of the caller's ``state_dict`` was loaded (CheckpointError naming those that were not)."""
+    missing = sorted(set(given) - set(loaded))
     if missing:
         raise CheckpointError(f"{what}: no stored tensor for {missing[:5]}" + (" ..." if len(missing) > 5 else ""))
+
+
+def destinations(header: Header, given: dict[str, torch.Tensor], device: torch.device, what: str) -> list[Target]:
+    """Destination tensors in file order: the caller's of the same names (``given``, checked) or new ones on
+    ``device``."""
     out = []
     for entry in sorted(header.tensors.values(), key=lambda e: e.start):
         tensor = given.get(entry.name)

@@ -17,13 +17,25 @@ from ..engine.layout import Layout
 from ..engine.open_stores import store_for
 from ..stores.base import Store
 from ..uri import parse_uri
-from .format import build_header, flatten, with_state
+from .format import Header, build_header, flatten, split_large, with_state
 from .staging import Staging, byte_view, default_staging, distributed_defaults
 
 
-def rank_file(rank: int) -> str:
-    """Name of rank ``rank``'s tensor file inside the checkpoint."""
-    return f"rank-{rank:05d}.safetensors"
+def rank_file(rank: int, part: str = "") -> str:
+    """Name of rank ``rank``'s tensor file inside the checkpoint (``part="large"``: the file of its large tensors,
+    in incremental saves)."""
+    return f"rank-{rank:05d}{'-' + part if part else ''}.safetensors"
+
+
+def rank_files(rank: int, skeleton: Any, tensors: dict[str, Any], incremental: bool) -> list[tuple[str, Header]]:
+    """The files of rank ``rank``'s state and their headers (``tensors`` gains the skeleton's state tensor): one; in
+    incremental saves, the large tensors in ``rank-NNNNN-large.safetensors`` (written even when empty, so that every
+    rank of the save has it) and the rest in ``rank-NNNNN.safetensors`` (``split_large``)."""
+    tensors.update(with_state(skeleton, {}))
+    if not incremental:
+        return [(rank_file(rank), build_header(tensors))]
+    large, rest = split_large(tensors)
+    return [(rank_file(rank, "large"), build_header(large)), (rank_file(rank), build_header(rest))]
 
 
 class SaveHandle:
@@ -56,19 +68,18 @@ def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int 
     the checkpoint is committed. Device tensors go through a temporary host staging area. ``rank`` and
     ``world_size`` default to ``torch.distributed``'s (else 0 and 1); ``barrier`` then defaults to a
     ``TorchBarrier`` on a gloo group of its own. ``base`` (a committed checkpoint's URI, or ``"latest"``) makes
-    the save incremental: the parts of the rank file that hold the same bytes as the base's are copied by the
-    store, not sent (``CheckpointWriter``); the result's ``copied`` and ``sent`` say how much.
+    the save incremental: the tensors of 1 MiB and more go to a file of their own (``rank_files``), and a file or
+    part of one that holds the same bytes as the base's is copied by the store, not sent (``CheckpointWriter``); the
+    result's ``copied`` and ``sent`` say how much.
     """
     rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
     skeleton, tensors = flatten(state_dict)
     if any(t.device.type != "cpu" for t in tensors.values()):
         return async_save(state_dict, uri, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
                           config=config, store=store, staging=Staging(), base=base).wait()
-    tensors = with_state(skeleton, tensors)
-    header = build_header(tensors, _align(config, base))
-    views = header.head() + [byte_view(tensors[n].detach().contiguous()) for n in header.tensors]
-    return BackgroundLoop.get().run(_commit(Layout(views), uri, rank, world_size, barrier, attempt, config, store,
-                                            base))
+    files = [(name, Layout([header.raw] + [byte_view(tensors[n].detach().contiguous()) for n in header.tensors]))
+             for name, header in rank_files(rank, skeleton, tensors, base is not None)]
+    return BackgroundLoop.get().run(_commit(files, uri, rank, world_size, barrier, attempt, config, store, base))
 
 
 def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int | None = None,
@@ -88,22 +99,17 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
     started = time.perf_counter()
     staging = staging or default_staging(rank)
     skeleton, tensors = flatten(state_dict)
-    tensors = with_state(skeleton, tensors)
-    header = build_header(tensors, _align(config, base))
+    headers = rank_files(rank, skeleton, tensors, base is not None)
     with staging.claim(if_busy):
-        data = staging.stage(header, tensors)
-        coro = _commit(Layout([*header.head(), data]), uri, rank, world_size, barrier, attempt, config, store, base)
+        data = staging.stage([h for _, h in headers], tensors)
+        files = [(name, Layout([h.raw, d])) for (name, h), d in zip(headers, data, strict=True)]
+        coro = _commit(files, uri, rank, world_size, barrier, attempt, config, store, base)
         future = asyncio.run_coroutine_threadsafe(coro, BackgroundLoop.get().loop)
         staging.track(future)
     return SaveHandle(future, time.perf_counter() - started)
 
 
-def _align(config: TransferConfig | None, base: str | None) -> int:
-    """What a rank file is laid out for: parts of an incremental save (``build_header``), nothing otherwise."""
-    return (config or TransferConfig.from_env()).part_size if base is not None else 0
-
-
-async def _commit(layout: Layout, uri: str, rank: int, world_size: int, barrier: Barrier | None,
+async def _commit(files: list[tuple[str, Layout]], uri: str, rank: int, world_size: int, barrier: Barrier | None,
                   attempt: str | None, config: TransferConfig | None, store: Store | None, base: str | None
                   ) -> CommitResult:
     target, cfg = parse_uri(uri), config or TransferConfig.from_env()
@@ -113,6 +119,7 @@ async def _commit(layout: Layout, uri: str, rank: int, world_size: int, barrier:
         writer = CheckpointWriter(target, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
                                   config=cfg, store=store, base=base)
         async with writer:
-            await writer.put_layout(rank_file(rank), layout)
+            for name, layout in files:
+                await writer.put_layout(name, layout)
     assert writer.result is not None
     return writer.result

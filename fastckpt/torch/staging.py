@@ -81,20 +81,25 @@ class Staging:
         """The upload now reading the area (the next ``claim`` waits for it)."""
         self._inflight = future
 
-    def stage(self, header: Header, tensors: dict[str, torch.Tensor]) -> memoryview:
-        """Copy ``tensors`` into the area as laid out by ``header``; returns the data section's bytes."""
-        size = header.size - header.data_start
-        area = self.buffer(size)
+    def stage(self, headers: list[Header], tensors: dict[str, torch.Tensor]) -> list[memoryview]:
+        """Copy ``tensors`` into the area, one file after the other as laid out by ``headers``; returns each file's
+        data section."""
+        sizes = [h.size - h.data_start for h in headers]
+        area = self.buffer(sum(sizes))
         devices: set[torch.device] = set()
-        for name, entry in header.tensors.items():
-            if entry.nbytes:
-                src = tensors[name].detach()
-                dst = area[entry.start:entry.end].view(entry.dtype).view(entry.shape)
-                dst.copy_(src, non_blocking=src.device.type != "cpu")
-                if src.device.type != "cpu":
-                    devices.add(src.device)
+        views, at = [], 0
+        for header, size in zip(headers, sizes, strict=True):
+            for name, entry in header.tensors.items():
+                if entry.nbytes:
+                    src = tensors[name].detach()
+                    dst = area[at + entry.start:at + entry.end].view(entry.dtype).view(entry.shape)
+                    dst.copy_(src, non_blocking=src.device.type != "cpu")
+                    if src.device.type != "cpu":
+                        devices.add(src.device)
+            views.append(byte_view(area[at:at + size]) if size else memoryview(b""))
+            at += size
         synchronize(devices)
-        return byte_view(area) if size else memoryview(b"")
+        return views
 
     def close(self) -> None:
         """Free the memory (waits for an upload still reading it)."""
