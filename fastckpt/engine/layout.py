@@ -97,7 +97,7 @@ async def upload_layout(transfer: Transfer, layout: Layout, key: str, *, if_abse
     digest = FileDigest(layout.size, plan.part_size, combine(chunks))
     meta = digest.metadata() if config.digest_metadata else None
     base = same_parts(base, digest, chunks)
-    if base is not None and await _copied_whole(transfer, key, base, digest, if_absent, meta):
+    if base is not None and await transfer.copied_whole(key, base, digest, if_absent):
         return digest, chunks
     if not plan.multipart:
         pieces = layout.pieces(0, layout.size)
@@ -142,21 +142,6 @@ async def upload_layout(transfer: Transfer, layout: Layout, key: str, *, if_abse
         await asyncio.shield(transfer.abort_upload(mpu))
         raise
     return digest, chunks
-
-
-async def _copied_whole(transfer: Transfer, key: str, base: BaseObject, digest: FileDigest, if_absent: bool,
-                        meta: dict[str, str] | None) -> bool:
-    """Whether ``key`` was written as the store's copy of ``base`` (an object already there holding exactly
-    ``digest`` counts, as for an upload)."""
-    try:
-        copied = await transfer.reuse.copy_whole(key, base, digest, if_absent=if_absent, metadata=meta)
-    except AlreadyExistsError:
-        if not await transfer.holds_digest(key, digest):
-            raise
-        return True
-    if copied:
-        transfer.progress.advance(digest.size)
-    return copied
 
 
 async def read_layout(transfer: Transfer, key: str, start: int, layout: Layout, chunk_size: int) -> list[bytes]:

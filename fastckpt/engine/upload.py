@@ -83,16 +83,9 @@ class Uploads(TransferSession):
             chunks = await gather_all(self._hash_part(fd, plan, i) for i in range(plan.count))
             digest = FileDigest(plan.size, plan.part_size, combine(chunks))
             base = same_parts(base, digest, chunks)
-            meta = digest.metadata() if self.config.digest_metadata else None
-            try:
-                if await self.reuse.copy_whole(key, base, digest, if_absent=if_absent, metadata=meta):
-                    self.progress.advance(plan.size)
-                    return digest, chunks
-            except AlreadyExistsError:
-                if not await self.holds_digest(key, digest):
-                    raise
+            if await self.copied_whole(key, base, digest, if_absent):
                 return digest, chunks
-            if not plan.multipart and base.digest != digest:
+            if not plan.multipart:
                 return await self._upload_single(path, plan, key, if_absent)
         return await self._upload_multipart(fd, plan, key, path, if_absent, failed, batch, base, chunks)
 
@@ -109,6 +102,20 @@ class Uploads(TransferSession):
                     raise
         self.progress.advance(plan.size)
         return digest, digests
+
+    async def copied_whole(self, key: str, base: BaseObject, digest: FileDigest, if_absent: bool) -> bool:
+        """Whether ``key`` was written as the store's copy of ``base`` (``engine.reuse``; an object already there
+        holding exactly ``digest`` counts, as for an upload)."""
+        meta = digest.metadata() if self.config.digest_metadata else None
+        try:
+            copied = await self.reuse.copy_whole(key, base, digest, if_absent=if_absent, metadata=meta)
+        except AlreadyExistsError:
+            if not await self.holds_digest(key, digest):
+                raise
+            return True
+        if copied:
+            self.progress.advance(digest.size)
+        return copied
 
     async def holds_file(self, path: str, key: str) -> FileResult | None:
         """The result of uploading ``path`` to ``key`` when ``key`` already holds exactly that file (its

@@ -54,15 +54,8 @@ class ObjectStoreHandler(FastckptHandler):
 
     async def is_dir(self, store: Store, key: str) -> bool:
         """A marker ``key/`` or any object below ``key``."""
-        marker, below = await asyncio.gather(self._exists(store, key + "/"), self._has_children(store, key))
+        marker, below = await asyncio.gather(store.exists(key + "/"), self._has_children(store, key))
         return marker or below
-
-    async def _exists(self, store: Store, key: str) -> bool:
-        try:
-            await store.head(key)
-            return True
-        except ObjectNotFoundError:
-            return False
 
     async def _has_children(self, store: Store, key: str) -> bool:
         async with contextlib.aclosing(store.list(key)) as found:
