@@ -1,6 +1,6 @@
 """fastckpt: parallel, verified checkpoint transfers to object storage and shared filesystems."""
 
-from .api import download, download_async, upload, upload_async
+from .api import download, download_async, latest, latest_async, upload, upload_async
 from .checkpoint import (
     CheckpointInfo,
     CheckpointWriter,
@@ -13,8 +13,6 @@ from .checkpoint import (
     download_checkpoint_async,
     gc,
     gc_async,
-    latest,
-    latest_async,
     list_checkpoints,
     list_checkpoints_async,
     open_checkpoint,

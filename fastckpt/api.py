@@ -7,6 +7,7 @@ import posixpath
 
 from ._loop import BackgroundLoop
 from .checkpoint.base import base_objects
+from .checkpoint.catalog import latest_async as catalog_latest
 from .config import TransferConfig
 from .engine.open_stores import store_for
 from .engine.paths import local_files, paths_below
@@ -14,6 +15,7 @@ from .engine.progress import ProgressCallback
 from .engine.session import FileResult
 from .engine.transfer import Transfer
 from .errors import ObjectNotFoundError
+from .tier import Tier, latest_across
 from .uri import StorageURI, join_key, parse_uri
 
 PathLike = str | os.PathLike[str]
@@ -107,3 +109,19 @@ def download(src: str | StorageURI, dst: PathLike, *, config: TransferConfig | N
 
 
 __all__ = ["download", "download_async", "join_key", "upload", "upload_async"]
+
+
+async def latest_async(uri: str | StorageURI, *, tier: PathLike | Tier | None = None,
+                       config: TransferConfig | None = None) -> str | None:
+    """URI of the newest committed checkpoint at ``uri`` (by commit time, then name), or None. ``tier`` (this node's
+    tier directory): its copies count too, committed there and perhaps not yet drained (``fastckpt.tier``); read the
+    one returned with ``tier=`` to read the nearest copy."""
+    if tier is None:
+        return await catalog_latest(uri, config=config)
+    return await latest_across(uri, tier if isinstance(tier, Tier) else Tier(tier), config)
+
+
+def latest(uri: str | StorageURI, *, tier: PathLike | Tier | None = None,
+           config: TransferConfig | None = None) -> str | None:
+    """Sync twin of ``latest_async``."""
+    return BackgroundLoop.get().run(latest_async(uri, tier=tier, config=config))

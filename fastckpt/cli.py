@@ -118,6 +118,16 @@ def cmd_gc(args: argparse.Namespace) -> dict[str, object]:
     return report.__dict__
 
 
+def cmd_agent(args: argparse.Namespace) -> dict[str, object]:
+    from .tier import Tier, run_agent
+    from .tier.agent import agent_pid
+
+    tier = Tier(args.tier, args.keep)
+    served = False if args.status else run_agent(tier, args.idle, _config(args), args.lock_fd)
+    return {"tier": tier.root, "served": served, "agent_pid": agent_pid(tier), "pending": len(tier.pending()),
+            "failed": tier.failures(), "copies": [str(c["durable"]) for c in tier.copies()]}
+
+
 def cmd_demo(args: argparse.Namespace) -> dict[str, object]:
     from .demo import run_demo
 
@@ -158,6 +168,13 @@ def _print_human(name: str, out: dict[str, object]) -> None:
             print(f"  {key}")
         for line in out["skipped"]:  # type: ignore[union-attr]
             print(f"  skipped {line}")
+    elif name == "agent":
+        print(f"tier {out['tier']}: {out['pending']} rank copies queued, agent "
+              f"{'pid ' + str(out['agent_pid']) if out['agent_pid'] else 'not running'}")
+        for c in out["copies"]:  # type: ignore[union-attr]
+            print(f"  copy of {c}")
+        for f in out["failed"]:  # type: ignore[union-attr]
+            print(f"  FAILED {f.get('durable', '?')}: {f['error']}")
     elif name == "cp":
         print(f"copied {out['files']} file(s), {out['bytes']} bytes"
               + (f" ({out['sent']} sent, {out['copied']} copied in the store from the base)" if out["copied"] else ""))
@@ -196,6 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
     gcp.add_argument("uri")
     gcp.add_argument("--older-than", type=float, default=24 * 3600.0, help="seconds (default 86400)")
     gcp.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    agent = sub.add_parser("agent", parents=[common], help="drain a checkpoint tier to the durable store (the node "
+                           "agent that saves with tier= start; runs until idle)")
+    agent.add_argument("tier", help="the tier directory, e.g. /dev/shm/fastckpt")
+    agent.add_argument("--keep", type=int, default=2, help="committed copies kept once drained (default 2)")
+    agent.add_argument("--idle", type=float, default=60.0, help="seconds with nothing queued before exiting (60)")
+    agent.add_argument("--status", action="store_true", help="only report the queue, failures and copies")
+    agent.add_argument("--lock-fd", type=int, default=None, help=argparse.SUPPRESS)  # handed over by ensure_agent
     demo = sub.add_parser("demo", parents=[common], help="upload + download a synthetic checkpoint locally")
     demo.add_argument("--size", default="1GiB", help="checkpoint size (default 1GiB)")
     demo.add_argument("--dir", default=None, help="scratch directory (default: system temp)")
@@ -206,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, object]]] = {
-    "cp": cmd_cp, "ls": cmd_ls, "verify": cmd_verify, "gc": cmd_gc, "demo": cmd_demo, "doctor": cmd_doctor,
+    "cp": cmd_cp, "ls": cmd_ls, "verify": cmd_verify, "gc": cmd_gc, "agent": cmd_agent, "demo": cmd_demo,
+    "doctor": cmd_doctor,
 }
 
 

@@ -68,6 +68,9 @@ class Commit(abc.ABC):
     _entries: dict[str, FileEntry | None]
     _copied: int
     _store: Store | None
+    per_node: bool
+    """Each rank writes into a store of its own node (a memory tier), not one store shared by all ranks: the root
+    checks no other rank's files, and every rank creates the marker in its own store."""
 
     @property
     def attempt(self) -> str:
@@ -124,6 +127,7 @@ class Commit(abc.ABC):
             await self.barrier.broadcast(rv, attempt, json.dumps(outcome).encode())
             if error is not None:
                 raise error
+            outcome.pop("marker", None)
         else:
             await self.barrier.gather(rv, attempt, data)
             try:
@@ -137,6 +141,8 @@ class Commit(abc.ABC):
             if outcome.get("missing"):
                 raise BarrierTimeoutError(outcome["error"], outcome["missing"])
             raise CheckpointError(f"checkpoint {self.uri.raw} was not committed: {outcome['error']}")
+        if "marker" in outcome:  # per-node stores: this node's copy of the marker
+            await self._create_marker(outcome["marker"].encode())
         self.result = CommitResult(self.uri.raw, attempt, self.world_size, outcome["files"], outcome["bytes"],
                                    outcome["committed_at"], outcome.get("copied", 0))
 
@@ -210,17 +216,21 @@ class Commit(abc.ABC):
         try:
             marker, manifests = build_marker(payloads, self.attempt, self.world_size, f"checkpoint {self.uri.raw}",
                                              self.barrier.group_size_for(self.world_size))
-            await self._check_files(manifests)
-            await self._create_marker(marker)
+            if not self.per_node:
+                await self._check_files(manifests)
+            await self._create_marker(marker.encode())
         except CheckpointError as exc:
             return {"ok": False, "error": str(exc)}, None
         except Exception as exc:  # re-raised by the caller once the others know
             return {"ok": False, "error": f"rank 0 could not create the commit marker: {exc}"}, exc
-        return {"ok": True, "files": marker.files, "bytes": marker.bytes, "committed_at": marker.committed_at,
-                "copied": marker.copied}, None
+        outcome = {"ok": True, "files": marker.files, "bytes": marker.bytes, "committed_at": marker.committed_at,
+                   "copied": marker.copied}
+        if self.per_node:
+            outcome["marker"] = marker.encode().decode()
+        return outcome, None
 
-    async def _create_marker(self, marker: CommitMarker) -> None:
-        key, data = marker_key(self.uri.key), marker.encode()
+    async def _create_marker(self, data: bytes) -> None:
+        key = marker_key(self.uri.key)
         store = self._rv.store
         try:
             await store.put(key, data, if_absent=True)

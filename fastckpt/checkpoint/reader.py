@@ -7,6 +7,7 @@ the manifests of the marker's attempt (each manifest checked against the digest 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,9 +90,11 @@ class VerifyReport:
     bad: list[BadFile] = field(default_factory=list)
 
 
-async def load(store: Store, base: StorageURI, allow_uncommitted: bool) -> Checkpoint:
+async def load(store: Store, base: StorageURI, allow_uncommitted: bool, ranks: Iterable[int] | None = None
+               ) -> Checkpoint:
     """The checkpoint at ``base``: committed (manifests checked against the marker), corrupt (with
-    ``problems``), or, when allowed, uncommitted."""
+    ``problems``), or, when allowed, uncommitted. ``ranks``: read only these ranks' manifests (a tier copy holds
+    its node's)."""
     key = base.key
     try:
         raw = await read_object(store, marker_key(key))
@@ -127,7 +130,8 @@ async def load(store: Store, base: StorageURI, allow_uncommitted: bool) -> Check
                                 f"{marker.attempt!r}, or records a failure")
         return m
 
-    results = await gather_bounded([manifest(r) for r in range(marker.world_size)], SCAN_CONCURRENCY)
+    wanted = range(marker.world_size) if ranks is None else sorted(r for r in set(ranks) if r < marker.world_size)
+    results = await gather_bounded([manifest(r) for r in wanted], SCAN_CONCURRENCY)
     problems = tuple(r for r in results if isinstance(r, BadFile))
     files: dict[str, FileDigest | None] = {}
     chunks: dict[str, tuple[str, ...]] = {}
@@ -186,11 +190,12 @@ async def _load_uncommitted(store: Store, base: StorageURI) -> Checkpoint:
 
 
 async def open_checkpoint_async(uri: str | StorageURI, *, allow_uncommitted: bool = False,
-                                config: TransferConfig | None = None, store: Store | None = None) -> Checkpoint:
+                                config: TransferConfig | None = None, store: Store | None = None,
+                                ranks: Iterable[int] | None = None) -> Checkpoint:
     """Open the checkpoint at ``uri``: CheckpointError when it is uncommitted (unless allowed) or corrupt.
-    ``store`` reuses an open store of ``uri``'s location (not closed here)."""
+    ``store`` reuses an open store of ``uri``'s location (not closed here); ``ranks``: only these ranks' files."""
     async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> Checkpoint:
-        ckpt = await load(store, base, allow_uncommitted)
+        ckpt = await load(store, base, allow_uncommitted, ranks)
         if ckpt.problems:
             raise corrupt_error(base, ckpt)
         return ckpt

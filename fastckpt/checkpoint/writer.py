@@ -39,7 +39,7 @@ from ..threads import off_loop
 from ..uri import StorageURI, parse_uri
 from .attempt import ATTEMPT_TAG, attempt_from_env, new_attempt_id
 from .barrier import Barrier
-from .barrier_store import default_barrier
+from .barrier_store import StoreBarrier, default_barrier
 from .base import BaseCheckpoint, encode_none, resolve_base
 from .commit import Commit, CommitResult
 from .manifest import FileEntry, check_attempt, check_name, meta_prefix, rank_key, replaced_note_key
@@ -66,6 +66,9 @@ class CheckpointWriter(Commit):
     newest committed one beside ``uri``, or a ``BaseCheckpoint`` read already); files and parts of files that hold
     the same bytes as the base's file of the same name are copied by the store instead of sent. Rank 0 reads the
     base and hands it to the others through the barrier. The new checkpoint stays whole on its own.
+
+    ``per_node``: each rank's ``store`` is its own node's (a memory tier, ``fastckpt.tier``): the barrier must not be
+    a store barrier, the root checks only the manifests, and every rank creates the marker in its own store.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class CheckpointWriter(Commit):
         store: Store | None = None,
         progress: ProgressCallback | None = None,
         base: str | StorageURI | BaseCheckpoint | None = None,
+        per_node: bool = False,
     ) -> None:
         self.uri = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
         if self.uri.backend == "delegate":
@@ -88,6 +92,10 @@ class CheckpointWriter(Commit):
             raise ValueError(f"rank {rank} / world size {world_size}: need 0 <= rank < world_size")
         self.rank, self.world_size = rank, world_size
         self.barrier = barrier or default_barrier()
+        self.per_node = per_node
+        if per_node and world_size > 1 and isinstance(self.barrier, StoreBarrier):
+            raise ValueError(f"{type(self.barrier).__name__} meets in the store, which is not shared when every node "
+                             "writes its own (per_node): use a TorchBarrier, RayBarrier or InProcessBarrier")
         self.config = config or TransferConfig.from_env()
         self._attempt = check_attempt(attempt) if attempt else None
         self._store, self._own_store = store, store is None

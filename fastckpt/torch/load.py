@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -9,18 +11,23 @@ from typing import Any
 import torch
 
 from .._loop import BackgroundLoop
-from ..checkpoint.reader import open_checkpoint_async
+from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..config import TransferConfig
 from ..engine.layout import Layout, read_layout
 from ..engine.open_stores import store_for
 from ..engine.transfer import Transfer
-from ..errors import CheckpointError, IntegrityError
+from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError
 from ..integrity import FileDigest
+from ..stores.base import Store
 from ..threads import off_loop
+from ..tier import Tier, nearest_copy
+from ..tier.layout import TierStore
 from ..uri import StorageURI, parse_uri
 from .format import Header, TensorEntry, flatten, header_length, parse_header, state_of
 from .save import rank_file
 from .staging import Staging, byte_view, synchronize
+
+log = logging.getLogger("fastckpt")
 
 HEAD_READ = 64 << 10
 """Bytes read first to find the header (one more request when the header is longer)."""
@@ -43,15 +50,17 @@ class Target:
 
 def load(uri: str | StorageURI, *, state_dict: Any = None, device: str | torch.device | None = None,
          rank: int | None = None, world_size: int | None = None, config: TransferConfig | None = None,
-         staging: Staging | None = None, group: Any = None) -> Any:
+         staging: Staging | None = None, group: Any = None, tier: str | os.PathLike[str] | Tier | None = None) -> Any:
     """Load rank ``rank``'s state from committed checkpoint ``uri``; see ``load_async``."""
     return BackgroundLoop.get().run(load_async(uri, state_dict=state_dict, device=device, rank=rank,
-                                               world_size=world_size, config=config, staging=staging, group=group))
+                                               world_size=world_size, config=config, staging=staging, group=group,
+                                               tier=tier))
 
 
 async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: str | torch.device | None = None,
                      rank: int | None = None, world_size: int | None = None, config: TransferConfig | None = None,
-                     staging: Staging | None = None, group: Any = None) -> Any:
+                     staging: Staging | None = None, group: Any = None,
+                     tier: str | os.PathLike[str] | Tier | None = None) -> Any:
     """The state rank ``rank`` saved to checkpoint ``uri`` (committed only), every byte verified against the
     manifest (IntegrityError on a mismatch).
 
@@ -64,37 +73,53 @@ async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: s
     With ``group`` (a ``torch.distributed`` process group; every rank of it calls this, each naming the stored rank
     it loads), each byte is read from storage once for the whole group and shared over it
     (``torch.group_load``); a failure on any rank fails every rank. None: this process alone.
+
+    ``tier`` (this node's tier directory, as given to ``async_save``): read from the tier's copy when it holds the
+    committed checkpoint's files of ``rank`` (verified against the same digests), else from ``uri``.
     """
     base = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
     cfg = config or TransferConfig.from_env()
+    if tier is not None and group is None:
+        near = await nearest_copy(base, tier if isinstance(tier, Tier) else Tier(tier), [rank or 0], cfg)
+        if near is not None:
+            try:
+                return await _load(TierStore(), near, base, state_dict, device, rank, world_size, cfg, staging)
+            except ObjectNotFoundError as exc:  # dropped by the agent meanwhile: the durable copy serves
+                log.info("tier copy of %s gone while reading it (%s); reading %s", base.raw, exc, base.raw)
     async with store_for(base, cfg) as store:
         if group is not None:
             from .group_load import load_in_group
 
             return await load_in_group(base, cfg, store, group, state_dict, device, rank, world_size)
         ckpt = await open_checkpoint_async(base, config=cfg, store=store)
-        given = flatten(state_dict)[1] if state_dict is not None else {}
-        loaded: dict[str, torch.Tensor] = {}
-        transfer = Transfer(store, cfg)
-        try:
-            for name, digest in state_files(ckpt.info.world_size or 1, ckpt.files, base, rank, world_size):
-                key, what = ckpt.file_key(name), f"{base.raw}/{name}"
-                header = parse_header(await header_bytes(transfer, key, digest.size, what), digest.size, what)
-                if header.size != digest.size:
-                    raise CheckpointError(f"{what}: header describes {header.size} bytes, the manifest {digest.size}")
-                targets = destinations(header, given, torch.device(device or "cpu"), what)
-                staged = staging is not None or any(t.dest.device.type != "cpu" for t in targets)
-                if staged:
-                    chunks = await _read_staged(transfer, key, header, targets, digest, staging or Staging(256 << 20))
-                else:
-                    chunks = await _read_direct(transfer, key, header, targets, digest)
-                digest.check(chunks, what)
-                for t in targets:
-                    if t.bounce is not None:
-                        t.tensor.copy_(t.bounce)
-                loaded.update((t.entry.name, t.tensor) for t in targets)
-        finally:
-            transfer.close()
+        return await _load(store, ckpt, base, state_dict, device, rank, world_size, cfg, staging)
+
+
+async def _load(store: Store, ckpt: Checkpoint, base: StorageURI, state_dict: Any, device: str | torch.device | None,
+                rank: int | None, world_size: int | None, cfg: TransferConfig, staging: Staging | None) -> Any:
+    """Rank ``rank``'s state from opened checkpoint ``ckpt`` (of ``base``) in ``store``."""
+    given = flatten(state_dict)[1] if state_dict is not None else {}
+    loaded: dict[str, torch.Tensor] = {}
+    transfer = Transfer(store, cfg)
+    try:
+        for name, digest in state_files(ckpt.info.world_size or 1, ckpt.files, base, rank, world_size):
+            key, what = ckpt.file_key(name), f"{base.raw}/{name}"
+            header = parse_header(await header_bytes(transfer, key, digest.size, what), digest.size, what)
+            if header.size != digest.size:
+                raise CheckpointError(f"{what}: header describes {header.size} bytes, the manifest {digest.size}")
+            targets = destinations(header, given, torch.device(device or "cpu"), what)
+            staged = staging is not None or any(t.dest.device.type != "cpu" for t in targets)
+            if staged:
+                chunks = await _read_staged(transfer, key, header, targets, digest, staging or Staging(256 << 20))
+            else:
+                chunks = await _read_direct(transfer, key, header, targets, digest)
+            digest.check(chunks, what)
+            for t in targets:
+                if t.bounce is not None:
+                    t.tensor.copy_(t.bounce)
+            loaded.update((t.entry.name, t.tensor) for t in targets)
+    finally:
+        transfer.close()
     check_given(given, loaded, f"{base.raw}/{name}")
     return state_of(header, loaded, what)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from .._loop import BackgroundLoop
@@ -16,6 +18,8 @@ from ..config import TransferConfig
 from ..engine.layout import Layout
 from ..engine.open_stores import store_for
 from ..stores.base import Store
+from ..tier import Tier
+from ..tier.save import save_to_tier, wait_durable
 from ..uri import parse_uri
 from .format import Header, build_header, flatten, split_large, with_state
 from .staging import Staging, byte_view, default_staging, distributed_defaults
@@ -41,8 +45,10 @@ def rank_files(rank: int, skeleton: Any, tensors: dict[str, Any], incremental: b
 class SaveHandle:
     """An ``async_save`` in flight: ``wait()`` returns its commit result or raises what failed it."""
 
-    def __init__(self, future: concurrent.futures.Future[CommitResult], blocked_s: float) -> None:
+    def __init__(self, future: concurrent.futures.Future[CommitResult], blocked_s: float,
+                 tier: tuple[Tier, str] | None = None) -> None:
         self._future = future
+        self._tier = tier
         self.blocked_s = blocked_s
         """Seconds the caller was blocked (staging the tensors)."""
 
@@ -50,9 +56,19 @@ class SaveHandle:
         """Whether the save has finished (committed or failed)."""
         return self._future.done()
 
-    def wait(self, timeout: float | None = None) -> CommitResult:
-        """Wait for the commit; raises the save's exception (nothing was committed then), or TimeoutError."""
-        return self._future.result(timeout)
+    def wait(self, timeout: float | None = None, *, durable: bool = False) -> CommitResult:
+        """Wait for the commit; raises the save's exception (nothing was committed then), or TimeoutError.
+
+        Saves to a ``tier``: the commit in the tier (the training process may die now: the node agent drains it);
+        ``durable=True`` waits on until the agents committed it at the durable URI (CheckpointError when they gave
+        up, with why), ``timeout`` covering both."""
+        started = time.monotonic()
+        result = self._future.result(timeout)
+        if not durable or self._tier is None:
+            return result
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+        tier, uri = self._tier
+        return BackgroundLoop.get().run(wait_durable(tier, parse_uri(uri), result, left))
 
     def exception(self) -> BaseException | None:
         """The save's exception once it is done (None when it committed); waits for it to finish."""
@@ -61,7 +77,8 @@ class SaveHandle:
 
 def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int | None = None,
          barrier: Barrier | None = None, attempt: str | None = None, config: TransferConfig | None = None,
-         store: Store | None = None, base: str | None = None) -> CommitResult:
+         store: Store | None = None, base: str | None = None, tier: str | os.PathLike[str] | Tier | None = None
+         ) -> CommitResult:
     """Save ``state_dict`` (this rank's share) to checkpoint ``uri`` and commit it with the other ranks.
 
     CPU tensors are uploaded straight from their memory (no copy, no local file); the call returns once
@@ -70,22 +87,25 @@ def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int 
     ``TorchBarrier`` on a gloo group of its own. ``base`` (a committed checkpoint's URI, or ``"latest"``) makes
     the save incremental: the tensors of 1 MiB and more go to a file of their own (``rank_files``), and a file or
     part of one that holds the same bytes as the base's is copied by the store, not sent (``CheckpointWriter``); the
-    result's ``copied`` and ``sent`` say how much.
+    result's ``copied`` and ``sent`` say how much. ``tier`` (a directory on this node, or a ``Tier``): commit into
+    the tier and return; its node agent drains it to ``uri`` (see ``async_save``).
     """
     rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
     skeleton, tensors = flatten(state_dict)
     if any(t.device.type != "cpu" for t in tensors.values()):
         return async_save(state_dict, uri, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
-                          config=config, store=store, staging=Staging(), base=base).wait()
+                          config=config, store=store, staging=Staging(), base=base, tier=tier).wait()
     files = [(name, Layout([header.raw] + [byte_view(tensors[n].detach().contiguous()) for n in header.tensors]))
              for name, header in rank_files(rank, skeleton, tensors, base is not None)]
-    return BackgroundLoop.get().run(_commit(files, uri, rank, world_size, barrier, attempt, config, store, base))
+    place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, as_tier(tier, store, base))
+    return BackgroundLoop.get().run(_commit(files, place))
 
 
 def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int | None = None,
                barrier: Barrier | None = None, attempt: str | None = None, config: TransferConfig | None = None,
                store: Store | None = None, staging: Staging | None = None,
-               if_busy: Literal["wait", "error"] = "wait", base: str | None = None) -> SaveHandle:
+               if_busy: Literal["wait", "error"] = "wait", base: str | None = None,
+               tier: str | os.PathLike[str] | Tier | None = None) -> SaveHandle:
     """Copy ``state_dict``'s tensors into host staging memory, then upload and commit in the background.
 
     The caller is blocked only for the copies (device tensors: ``non_blocking`` into pinned memory, one
@@ -94,8 +114,15 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
     same staging is still uploading, ``if_busy="wait"`` waits for it and ``"error"`` raises RuntimeError.
     The upload runs on fastckpt's background loop; the handle's ``wait()`` surfaces its outcome. ``base``: as for
     ``save`` (the comparison with the base happens in the background, after the copies).
+
+    ``tier`` (a directory on this node such as ``/dev/shm/fastckpt``, or a ``fastckpt.tier.Tier``): the save commits
+    into the tier (every rank into its own node's; the barrier must not be a store barrier), and the node agent (a
+    process of its own, started when none runs) drains it to ``uri`` and commits it there once every rank's data is
+    in. ``wait()`` returns once it is safe in the tier, ``wait(durable=True)`` once it is committed at ``uri``.
+    ``config`` and ``store`` do not reach the agent: it opens ``uri`` from the environment it was started in.
     """
     rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
+    place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, as_tier(tier, store, base))
     started = time.perf_counter()
     staging = staging or default_staging(rank)
     skeleton, tensors = flatten(state_dict)
@@ -103,21 +130,45 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
     with staging.claim(if_busy):
         data = staging.stage([h for _, h in headers], tensors)
         files = [(name, Layout([h.raw, d])) for (name, h), d in zip(headers, data, strict=True)]
-        coro = _commit(files, uri, rank, world_size, barrier, attempt, config, store, base)
-        future = asyncio.run_coroutine_threadsafe(coro, BackgroundLoop.get().loop)
+        future = asyncio.run_coroutine_threadsafe(_commit(files, place), BackgroundLoop.get().loop)
         staging.track(future)
-    return SaveHandle(future, time.perf_counter() - started)
+    return SaveHandle(future, time.perf_counter() - started, None if place.tier is None else (place.tier, uri))
 
 
-async def _commit(files: list[tuple[str, Layout]], uri: str, rank: int, world_size: int, barrier: Barrier | None,
-                  attempt: str | None, config: TransferConfig | None, store: Store | None, base: str | None
-                  ) -> CommitResult:
-    target, cfg = parse_uri(uri), config or TransferConfig.from_env()
+def as_tier(tier: str | os.PathLike[str] | Tier | None, store: Store | None, base: str | None) -> Tier | None:
+    """The ``Tier`` a save commits into (None: straight to its URI); ValueError for what a tier save cannot take."""
+    if tier is None:
+        return None
+    if store is not None or base is not None:
+        raise ValueError("a save into a tier takes neither store= (the agent opens the URI itself) nor base=")
+    return tier if isinstance(tier, Tier) else Tier(tier)
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where and how one rank's save commits."""
+
+    uri: str
+    rank: int
+    world_size: int
+    barrier: Barrier | None
+    attempt: str | None
+    config: TransferConfig | None
+    store: Store | None
+    base: str | None
+    tier: Tier | None
+
+
+async def _commit(files: list[tuple[str, Layout]], p: _Place) -> CommitResult:
+    target, cfg = parse_uri(p.uri), p.config or TransferConfig.from_env()
+    if p.tier is not None:
+        return await save_to_tier(p.tier, target, files, p.rank, p.world_size, p.barrier, p.attempt, cfg)
     async with contextlib.AsyncExitStack() as stack:
+        store = p.store
         if store is None:
             store = await stack.enter_async_context(store_for(target, cfg))
-        writer = CheckpointWriter(target, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
-                                  config=cfg, store=store, base=base)
+        writer = CheckpointWriter(target, rank=p.rank, world_size=p.world_size, barrier=p.barrier, attempt=p.attempt,
+                                  config=cfg, store=store, base=p.base)
         async with writer:
             for name, layout in files:
                 await writer.put_layout(name, layout)

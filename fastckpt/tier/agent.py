@@ -1,0 +1,159 @@
+"""The node agent: a process of its own that drains a tier's queue to the durable stores and outlives the training
+processes that filled it.
+
+One agent runs per tier directory (it holds ``.agent/lock``); ``ensure_agent`` starts one, detached from the caller
+(its own session: a SIGKILL of the trainer, or of the trainer's process group, leaves it running), unless one holds
+the lock. The agent takes the queue oldest first, a few entries at a time; an entry leaves the queue only once its
+rank is in the durable store, so a killed agent leaves the queue as the next one resumes it. A drain that cannot
+succeed (the copy damaged, the checkpoint committed by another writer) is recorded in ``.agent/failed`` and the copy
+kept; other failures (the store unreachable) are retried with a growing pause. The agent exits after ``idle``
+seconds with an empty queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import subprocess
+import sys
+import time
+
+from ..config import TransferConfig
+from ..engine.open_stores import store_for
+from ..errors import CheckpointError, IntegrityError
+from ..uri import parse_uri
+from .drain import drain
+from .layout import QueueEntry, Tier
+
+log = logging.getLogger("fastckpt")
+
+IDLE_S = 60.0
+"""Seconds an agent waits with an empty queue before it exits (``FASTCKPT_AGENT_IDLE`` for the agents started by
+saves)."""
+POLL_S = 0.05
+"""Seconds between looks at the queue."""
+RETRY_S = (1.0, 30.0)
+"""First and longest pause before retrying a drain that failed for a reason that may pass."""
+DRAINS = 4
+"""Queue entries drained at once."""
+
+
+def _try_lock(tier: Tier) -> int | None:
+    """A descriptor holding ``tier``'s agent lock, or None when an agent holds it."""
+    fd = os.open(os.path.join(tier.agent_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def agent_running(tier: Tier) -> bool:
+    """Whether an agent holds ``tier``'s lock now."""
+    fd = _try_lock(tier)
+    if fd is not None:
+        os.close(fd)
+    return fd is None
+
+
+def agent_pid(tier: Tier) -> int | None:
+    """The process id of the agent serving ``tier`` now (None: none runs)."""
+    if not agent_running(tier):
+        return None
+    with contextlib.suppress(OSError, ValueError), open(os.path.join(tier.agent_dir, "lock")) as f:
+        return int(f.read())
+    return None
+
+
+def ensure_agent(tier: Tier, idle: float | None = None) -> None:
+    """Start an agent for ``tier`` unless one runs. The lock is taken here and handed to the agent, so two callers
+    never start two agents."""
+    idle = float(os.environ.get("FASTCKPT_AGENT_IDLE", IDLE_S)) if idle is None else idle
+    fd = _try_lock(tier)
+    if fd is None:
+        return
+    try:
+        with open(os.path.join(tier.agent_dir, "agent.log"), "ab") as out:
+            subprocess.Popen([sys.executable, "-m", "fastckpt.cli", "agent", tier.root, "--keep", str(tier.keep),
+                              "--idle", str(idle), "--lock-fd", str(fd), "--log-level", "info", "--json"],
+                             stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, pass_fds=(fd,))
+    finally:
+        os.close(fd)
+
+
+def run_agent(tier: Tier, idle: float = IDLE_S, config: TransferConfig | None = None, lock_fd: int | None = None
+              ) -> bool:
+    """Drain ``tier``'s queue until it has been empty for ``idle`` seconds; False when another agent runs.
+    ``lock_fd``: the tier's lock, taken already by whoever started this agent."""
+    fd = _try_lock(tier) if lock_fd is None else lock_fd
+    if fd is None:
+        return False
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    try:
+        asyncio.run(_serve(tier, idle, config or TransferConfig.from_env(), fd))
+    finally:
+        os.close(fd)
+    if os.path.isdir(tier.queue_dir) and tier.pending():  # queued after the last look, by a saver that saw the
+        run_agent(tier, idle, config)                    # lock held: take it on
+    return True
+
+
+def _still_ours(tier: Tier, fd: int) -> bool:
+    """Whether the tier's lock file is still the one ``fd`` locks (not wiped, or made anew, under the agent)."""
+    try:
+        return os.stat(os.path.join(tier.agent_dir, "lock")).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+async def _serve(tier: Tier, idle: float, config: TransferConfig, fd: int) -> None:
+    running: dict[str, asyncio.Task[None]] = {}
+    retry_at: dict[str, tuple[float, float]] = {}
+    last_busy = time.monotonic()
+    while _still_ours(tier, fd):
+        now = time.monotonic()
+        for path in tier.pending():
+            if path in running or len(running) >= DRAINS or retry_at.get(path, (0.0, 0.0))[0] > now:
+                continue
+            try:
+                entry = tier.entry(path)
+            except FileNotFoundError:
+                continue
+            except CheckpointError as exc:
+                tier.record_failure(path, None, exc)
+                continue
+            running[path] = asyncio.create_task(_drain_entry(tier, path, entry, config, retry_at))
+        for path in [p for p, t in running.items() if t.done()]:
+            running.pop(path).result()
+        if running or tier.pending():
+            last_busy = now
+        elif now - last_busy > idle:
+            return
+        await asyncio.sleep(POLL_S)
+
+
+async def _drain_entry(tier: Tier, path: str, entry: QueueEntry, config: TransferConfig,
+                       retry_at: dict[str, tuple[float, float]]) -> None:
+    """Drain one queue entry; on success it leaves the queue (and drained copies beyond the newest ``keep`` go)."""
+    try:
+        async with store_for(parse_uri(entry.durable), config) as store:
+            committed = await drain(entry, store, config)
+    except (CheckpointError, IntegrityError) as exc:
+        log.error("agent: giving up on %s: %s", path, exc)
+        tier.record_failure(path, entry, exc)
+        return
+    except Exception as exc:
+        pause = min(RETRY_S[1], 2 * retry_at.get(path, (0.0, RETRY_S[0] / 2))[1])
+        log.warning("agent: draining %s failed (%s); retrying in %.0f s", path, exc, pause)
+        retry_at[path] = (time.monotonic() + pause, pause)
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+    retry_at.pop(path, None)
+    log.info("agent: rank %d of %s drained%s", entry.rank, entry.durable, " (committed)" if committed else "")
+    tier.prune(entry.keep)

@@ -1,0 +1,239 @@
+"""Where a tier keeps things, and what it keeps.
+
+Layout of a tier directory ``T`` (one per node and user; ``/dev/shm/fastckpt`` or a local NVMe directory)::
+
+    T/data/{scheme}/{bucket}/{key}/...        the copy of durable checkpoint {scheme}://{bucket}/{key}: a committed
+                                              checkpoint of the local store (this node's ranks' files and manifests,
+                                              and the marker every rank agreed on)
+    T/.agent/queue/{ns}-{rank}-{id}.json      one rank's copy waiting to be drained (removed once it is durable)
+    T/.agent/failed/{same name}               why a drain gave up (the copy is kept)
+    T/.agent/copies/{id}.json                 each committed copy: its durable URI and commit time (for pruning)
+    T/.agent/lock                             held by the running agent (flock)
+
+A copy is dropped only once the durable store holds the same commit marker, and only beyond the newest ``keep``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+
+from ..errors import CheckpointError
+from ..stores.local import LocalStore
+from ..uri import StorageURI, parse_uri
+
+KEEP = 2
+"""Committed copies a tier keeps by default (older ones are dropped once drained)."""
+
+
+class TierFullError(CheckpointError):
+    """A save would not fit in the tier (after dropping the copies that may be dropped)."""
+
+
+class TierStore(LocalStore):
+    """The local store of a tier: no fsync (a tier survives the training process, not the node), and parts planned
+    as the strictest object store plans them, so a drained file's chunk digests are the ones its manifest records."""
+
+    min_part_size = 5 << 20
+    max_part_size = 4000 << 20
+    max_parts = 10_000
+
+    def __init__(self) -> None:
+        super().__init__("/", fsync=False)
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    """One rank's copy waiting to be drained to its durable checkpoint."""
+
+    durable: str
+    copy: str
+    attempt: str
+    rank: int
+    keep: int
+
+    def encode(self) -> bytes:
+        """JSON bytes."""
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, data: bytes, where: str) -> QueueEntry:
+        """Parse a queue entry (CheckpointError naming ``where`` when it is not one)."""
+        try:
+            doc = json.loads(data)
+            return cls(str(doc["durable"]), str(doc["copy"]), str(doc["attempt"]), int(doc["rank"]), int(doc["keep"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"tier queue entry {where} is malformed: {exc}") from None
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """Write ``path`` whole or not at all (a temporary file renamed into place)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def checkpoint_id(durable: StorageURI) -> str:
+    """A short name for durable checkpoint ``durable`` in the tier's records."""
+    return hashlib.sha256(f"{durable.backend}|{durable.bucket}|{durable.key}".encode()).hexdigest()[:20]
+
+
+class Tier:
+    """The tier directory ``root`` (created when missing); ``keep``: committed copies kept once drained;
+    ``capacity``: bytes its copies may take in all (None: what its filesystem has free)."""
+
+    def __init__(self, root: str | os.PathLike[str], keep: int = KEEP, capacity: int | None = None) -> None:
+        if keep < 1:
+            raise ValueError(f"a tier keeps at least one checkpoint, not {keep}")
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"tier capacity must be positive, not {capacity}")
+        self.root = os.path.abspath(os.fspath(root))
+        self.keep, self.capacity = keep, capacity
+        for d in (self.queue_dir, self.failed_dir, self.copies_dir):
+            os.makedirs(d, exist_ok=True)
+
+    @property
+    def agent_dir(self) -> str:
+        """The agent's directory (queue, failures, records, lock, log)."""
+        return os.path.join(self.root, ".agent")
+
+    @property
+    def queue_dir(self) -> str:
+        """Queue entries, one per rank's copy not yet drained."""
+        return os.path.join(self.agent_dir, "queue")
+
+    @property
+    def failed_dir(self) -> str:
+        """Why drains gave up."""
+        return os.path.join(self.agent_dir, "failed")
+
+    @property
+    def copies_dir(self) -> str:
+        """One record per committed copy."""
+        return os.path.join(self.agent_dir, "copies")
+
+    def copy_of(self, durable: str | StorageURI) -> StorageURI:
+        """Where this tier keeps its copy of durable checkpoint ``durable`` (a local path)."""
+        uri = parse_uri(durable) if not isinstance(durable, StorageURI) else durable
+        path = os.path.join(self.root, "data", uri.scheme, uri.bucket or "_", *uri.key.split("/"))
+        return parse_uri(path)
+
+    def used(self) -> int:
+        """Bytes the tier's copies take."""
+        total = 0
+        for top, _, names in os.walk(os.path.join(self.root, "data")):
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.lstat(os.path.join(top, name)).st_size
+        return total
+
+    def check_room(self, nbytes: int) -> None:
+        """Make room for ``nbytes`` more (dropping drained copies beyond the newest ``keep``), or TierFullError: a
+        save that does not fit is refused, never swapped out, and an undrained copy is never dropped."""
+        self.prune(self.keep)
+        free = shutil.disk_usage(self.root).free
+        if self.capacity is not None:
+            free = min(free, self.capacity - self.used())
+        if nbytes > free:
+            raise TierFullError(f"tier {self.root} has room for {max(free, 0)} more bytes, the save needs {nbytes}: "
+                                f"raise its capacity, lower keep= (now {self.keep}), or let the agent drain older "
+                                "copies")
+
+    def enqueue(self, durable: StorageURI, attempt: str, rank: int, committed_at: float) -> None:
+        """Record rank ``rank``'s committed copy of ``durable`` and queue it for the agent."""
+        copy = self.copy_of(durable)
+        cid = checkpoint_id(durable)
+        record = {"durable": durable.uri(), "copy": "/" + copy.key, "attempt": attempt, "committed_at": committed_at}
+        _write_new(os.path.join(self.copies_dir, f"{cid}.json"), json.dumps(record).encode())
+        entry = QueueEntry(durable.uri(), "/" + copy.key, attempt, rank, self.keep)
+        _write_new(os.path.join(self.queue_dir, f"{time.time_ns():020d}-{rank:05d}-{cid}.json"), entry.encode())
+
+    def pending(self) -> list[str]:
+        """Queue entry paths, oldest first."""
+        with contextlib.suppress(FileNotFoundError):
+            return [os.path.join(self.queue_dir, n) for n in sorted(os.listdir(self.queue_dir)) if n.endswith(".json")]
+        return []
+
+    def entry(self, path: str) -> QueueEntry:
+        """The queue entry at ``path`` (FileNotFoundError once taken off the queue)."""
+        with open(path, "rb") as f:
+            return QueueEntry.decode(f.read(), path)
+
+    def failures(self) -> list[dict[str, object]]:
+        """The records of the drains that gave up."""
+        out = []
+        for name in sorted(os.listdir(self.failed_dir)):
+            with contextlib.suppress(OSError, ValueError), open(os.path.join(self.failed_dir, name)) as f:
+                out.append(json.load(f))
+        return out
+
+    def failure(self, durable: StorageURI, attempt: str) -> str | None:
+        """Why the agent gave up draining ``durable``'s copy of ``attempt`` (None: it has not)."""
+        suffix = f"-{checkpoint_id(durable)}.json"
+        for name in sorted(os.listdir(self.failed_dir)):
+            if name.endswith(suffix):
+                with contextlib.suppress(OSError, ValueError):
+                    with open(os.path.join(self.failed_dir, name)) as f:
+                        doc = json.load(f)
+                    if doc.get("attempt") == attempt:
+                        return str(doc.get("error"))
+        return None
+
+    def record_failure(self, entry_path: str, entry: QueueEntry | None, error: BaseException) -> None:
+        """The drain of ``entry`` (None: unreadable) gave up: say why, and take it off the queue (the copy stays)."""
+        doc: dict[str, object] = {"error": f"{type(error).__name__}: {error}"}
+        if entry is not None:
+            doc.update(durable=entry.durable, attempt=entry.attempt, rank=entry.rank)
+        _write_new(os.path.join(self.failed_dir, os.path.basename(entry_path)), json.dumps(doc).encode())
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(entry_path)
+
+    def copies(self) -> list[dict[str, object]]:
+        """The records of the committed copies, newest first."""
+        out = []
+        for name in os.listdir(self.copies_dir):
+            with contextlib.suppress(OSError, ValueError):
+                with open(os.path.join(self.copies_dir, name)) as f:
+                    doc = json.load(f)
+                doc["record"] = os.path.join(self.copies_dir, name)
+                out.append(doc)
+        return sorted(out, key=lambda d: float(d.get("committed_at", 0)), reverse=True)  # type: ignore[arg-type]
+
+    def undrained(self) -> set[str]:
+        """Copies (paths) that some queue entry still names."""
+        out = set()
+        for path in self.pending():
+            with contextlib.suppress(OSError, CheckpointError):
+                out.add(self.entry(path).copy)
+        return out
+
+    def prune(self, keep: int) -> list[str]:
+        """Drop drained copies beyond the newest ``keep`` (a copy still queued, or whose drain failed, stays);
+        returns the copies dropped."""
+        undrained = self.undrained() | self._failed_copies()
+        dropped = []
+        for doc in self.copies()[keep:]:
+            copy = str(doc["copy"])
+            if copy in undrained:
+                continue
+            shutil.rmtree(copy, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(str(doc["record"]))
+            dropped.append(copy)
+        return dropped
+
+    def _failed_copies(self) -> set[str]:
+        out = set()
+        for name in os.listdir(self.failed_dir):
+            with contextlib.suppress(OSError, ValueError):
+                with open(os.path.join(self.failed_dir, name)) as f:
+                    durable = json.load(f).get("durable")
+                if durable:
+                    out.add("/" + self.copy_of(durable).key)
+        return out

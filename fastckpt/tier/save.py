@@ -1,0 +1,73 @@
+"""A rank's save into its node's tier (committed there with the other ranks, then queued for the agent), and the
+wait until the agents committed it at the durable URI."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+from ..checkpoint.barrier import Barrier
+from ..checkpoint.commit import CommitResult
+from ..checkpoint.documents import read_object
+from ..checkpoint.manifest import CommitMarker, marker_key
+from ..checkpoint.writer import CheckpointWriter
+from ..config import TransferConfig
+from ..engine.layout import Layout
+from ..engine.open_stores import store_for
+from ..errors import CheckpointError, ObjectNotFoundError
+from ..threads import off_loop
+from ..uri import StorageURI
+from .agent import ensure_agent
+from .layout import Tier, TierStore
+
+POLL_S = 0.1
+"""Seconds between looks at the durable marker while waiting for it."""
+
+
+async def save_to_tier(tier: Tier, durable: StorageURI, files: list[tuple[str, Layout]], rank: int, world_size: int,
+                       barrier: Barrier | None, attempt: str | None, config: TransferConfig) -> CommitResult:
+    """Write ``files`` as rank ``rank``'s share of ``durable`` into ``tier`` and commit it there with the other ranks
+    (each in its own node's tier); then queue it for the node agent, started if none runs. The result names the
+    tier's copy."""
+    await off_loop(tier.check_room, sum(layout.size for _, layout in files))
+    writer = CheckpointWriter(tier.copy_of(durable), rank=rank, world_size=world_size, barrier=barrier,
+                              attempt=attempt, config=config, store=TierStore(), per_node=True)
+    async with writer:
+        for name, layout in files:
+            await writer.put_layout(name, layout)
+    result = writer.result
+    assert result is not None
+    await off_loop(tier.enqueue, durable, result.attempt, rank, result.committed_at)
+    await off_loop(ensure_agent, tier)
+    return result
+
+
+async def wait_durable(tier: Tier, durable: StorageURI, result: CommitResult, timeout: float | None,
+                       config: TransferConfig | None = None) -> CommitResult:
+    """Wait until the checkpoint of tier commit ``result`` is committed at ``durable``; its result there.
+    CheckpointError when an agent gave up on it (or another attempt committed there), TimeoutError after
+    ``timeout`` seconds. An agent that died meanwhile is started again."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    async with store_for(durable, config or TransferConfig.from_env()) as store:
+        while True:
+            why = await off_loop(tier.failure, durable, result.attempt)
+            if why is not None:
+                raise CheckpointError(f"the node agent could not drain {durable.raw} from tier {tier.root}: {why}")
+            try:
+                raw = await read_object(store, marker_key(durable.key))
+            except ObjectNotFoundError:
+                pass
+            else:
+                found = CommitMarker.decode(raw, marker_key(durable.key))
+                if found.attempt != result.attempt:
+                    raise CheckpointError(f"checkpoint {durable.raw} was committed by attempt {found.attempt!r}, "
+                                          f"not by this save's {result.attempt!r}")
+                return dataclasses.replace(result, uri=durable.raw)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"checkpoint {durable.raw} is not committed yet (still draining from "
+                                   f"tier {tier.root})")
+            if await off_loop(tier.pending):
+                await off_loop(ensure_agent, tier)
+            await asyncio.sleep(POLL_S)
+

@@ -1,0 +1,69 @@
+"""A gloo job saving into checkpoint tiers, one tier directory per simulated node: ``python -m tests.ranks.tier_job
+SPEC_JSON``.
+
+Spec keys: uri (the durable checkpoint), world, port, tiers (one per rank: its node's tier), out, step, mode
+(``save``: ``async_save(..., tier=)`` and ``wait()``; ``load``: ``load(..., tier=)``), kill (save: each rank SIGKILLs
+itself as soon as ``wait()`` returned). Each rank records ``{out}/rank-N.json``: ``{"ok", "error", "sha"}`` (save: of
+the state it saved; load: of the state it loaded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import fastckpt.torch as ft
+from tests.ranks import run_ranks
+
+
+def state(step: int, rank: int) -> dict:
+    """Rank ``rank``'s state at ``step`` (two tensors over the multipart threshold, and scalars)."""
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    return {"w": torch.randn(1024, 1024, generator=g), "b": torch.randn(700, generator=g).to(torch.bfloat16),
+            "step": step, "rank": rank}
+
+
+def digest(st: dict) -> str:
+    h = hashlib.sha256()
+    for key in sorted(st):
+        v = st[key]
+        h.update(key.encode() + (v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                                 if isinstance(v, torch.Tensor) else repr(v).encode()))
+    return h.hexdigest()
+
+
+def rank_main(rank: int, spec: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=spec["world"], timeout=timedelta(seconds=30))
+    record = {"ok": True, "error": "", "sha": ""}
+    try:
+        if spec["mode"] == "save":
+            st = state(spec["step"], rank)
+            record["sha"] = digest(st)
+            ft.async_save(st, spec["uri"], tier=spec["tiers"][rank]).wait(timeout=60)
+        else:
+            record["sha"] = digest(ft.load(spec["uri"], rank=rank, tier=spec["tiers"][rank]))
+    except Exception as exc:
+        record.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+    with open(os.path.join(spec["out"], f"rank-{rank}.json"), "w") as f:
+        json.dump(record, f)
+    if spec.get("kill") and record["ok"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    run_ranks(rank_main, spec["world"], spec, timeout=120)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

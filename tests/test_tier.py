@@ -1,0 +1,195 @@
+"""Checkpoint tiers (``fastckpt.tier``): saves committed into a node's tier, drained by a real agent process to the
+local store or moto, restored from the nearest copy; trainers and agents killed with SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fastckpt  # noqa: E402
+import fastckpt.torch as ft  # noqa: E402
+from fastckpt import CheckpointWriter, StoreBarrier  # noqa: E402
+from fastckpt.errors import CheckpointError  # noqa: E402
+from fastckpt.tier import Tier, TierFullError, ensure_agent  # noqa: E402
+from fastckpt.tier.agent import agent_pid  # noqa: E402
+from harness.proxy import Fault, FaultProxy  # noqa: E402
+from harness.uris import below  # noqa: E402
+from tests.ranks.tier_job import digest, state  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def short_lived_agents(monkeypatch) -> None:
+    """Agents the tests start exit 3 s after their queue empties."""
+    monkeypatch.setenv("FASTCKPT_AGENT_IDLE", "3")
+
+
+def committed(uri: str) -> bool:
+    return any(i.state == "committed" for i in fastckpt.list_checkpoints(uri))
+
+
+def wait_for(check, timeout: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_save_safe_in_tier_then_durable_then_read_nearest(tmp_path: Path) -> None:
+    """``wait()``: committed in the tier; ``wait(durable=True)``: committed at the URI by the agent; ``load(tier=)``
+    reads the tier's copy (the durable files may be gone), and the durable copy alone once the tier is wiped."""
+    uri, tier = f"{tmp_path}/run/step-1", str(tmp_path / "tier")
+    st = state(1, 0)
+    h = ft.async_save(st, uri, tier=tier)
+    in_tier = h.wait(timeout=60)
+    assert in_tier.uri.startswith(tier) and in_tier.world_size == 1
+    durable = h.wait(durable=True, timeout=60)
+    assert (durable.uri, durable.attempt, durable.bytes) == (uri, in_tier.attempt, in_tier.bytes)
+    assert fastckpt.verify(uri).ok
+    moved = tmp_path / "moved"
+    shutil.move(f"{uri}/rank-00000.safetensors", moved)
+    assert digest(ft.load(uri, tier=tier)) == digest(st)  # the tier's copy
+    with pytest.raises(Exception, match="rank-00000"):
+        ft.load(uri)
+    shutil.move(moved, f"{uri}/rank-00000.safetensors")
+    shutil.rmtree(tier)
+    assert digest(ft.load(uri, tier=tier)) == digest(st)  # wiped tier: the durable store
+
+
+def test_latest_across_tier_and_durable(tmp_path: Path) -> None:
+    """The newest committed checkpoint is found in the tier before the agent drained it, and in the durable store
+    when this node's tier never held it."""
+    run, tier = f"{tmp_path}/run", Tier(tmp_path / "tier")
+    ft.save(state(1, 0), f"{run}/step-1")
+    ft.save(state(2, 0), f"{run}/step-2", tier=tier)
+    assert fastckpt.latest(run, tier=tier) == f"{run}/step-2"
+    ft.save(state(3, 0), f"{run}/step-3")
+    assert fastckpt.latest(run) in (f"{run}/step-2", f"{run}/step-3")
+    assert fastckpt.latest(run, tier=tier) == f"{run}/step-3"
+    assert fastckpt.latest(f"{tmp_path}/empty", tier=tier) is None
+
+
+def test_copies_beyond_keep_dropped_once_drained(tmp_path: Path) -> None:
+    """keep=2: the third save drops the oldest copy (drained), never one still queued."""
+    run, tier = f"{tmp_path}/run", Tier(tmp_path / "tier", keep=2)
+    for step in (1, 2, 3):
+        ft.async_save(state(step, 0), f"{run}/step-{step}", tier=tier).wait(durable=True, timeout=60)
+    ft.save(state(4, 0), f"{run}/step-4", tier=tier)
+    kept = sorted(os.listdir(os.path.join(tier.root, "data", "file", "_", *run.strip("/").split("/"))))
+    assert kept[-2:] == ["step-3", "step-4"] and "step-1" not in kept
+    for step in (1, 2, 3):
+        assert digest(ft.load(f"{run}/step-{step}", tier=tier)) == digest(state(step, 0))
+
+
+def test_full_tier_refused_and_undrained_copies_kept(s3_uri: str, moto_server, tmp_path: Path) -> None:
+    """With the durable store unreachable nothing drains: no copy is dropped to make room, and a save that does not
+    fit the tier's capacity fails clearly before writing anything."""
+    size = sum(v.numel() * v.element_size() for v in state(1, 0).values() if isinstance(v, torch.Tensor))
+    tier = Tier(tmp_path / "tier", keep=1, capacity=int(2.5 * size))
+    with FaultProxy(urlsplit(moto_server.endpoint).port) as proxy:
+        proxy.outage(120)
+        base = s3_uri.replace(moto_server.endpoint, proxy.url)
+        for step in (1, 2):
+            ft.save(state(step, 0), below(base, f"step-{step}"), tier=tier)
+        with pytest.raises(TierFullError, match="room for"):
+            ft.save(state(3, 0), below(base, "step-3"), tier=tier)
+        assert len(tier.copies()) == 2 and len(tier.pending()) == 2
+        proxy.outage(0)
+        for step in (1, 2):
+            wait_for(lambda s=step: committed(below(s3_uri, f"step-{s}")), what=f"step-{step} drained")
+    for step in (1, 2):
+        assert digest(ft.load(below(s3_uri, f"step-{step}"))) == digest(state(step, 0))
+
+
+def test_drain_refused_when_another_writer_committed(tmp_path: Path) -> None:
+    """A durable checkpoint committed meanwhile by another writer is not touched: the agent records why, and
+    ``wait(durable=True)`` raises it."""
+    uri, tier = f"{tmp_path}/run/step-1", Tier(tmp_path / "tier")
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"x")
+    with fastckpt.SyncCheckpointWriter(uri) as w:
+        w.put_file(other)
+    h = ft.async_save(state(1, 0), uri, tier=tier)
+    with pytest.raises(CheckpointError, match="committed by"):
+        h.wait(durable=True, timeout=60)
+    wait_for(lambda: tier.failures(), what="the agent's failure record")
+    assert "committed by another writer" in str(tier.failures()[0]["error"]) and not tier.pending()
+    assert os.path.isdir(tier.copy_of(uri).raw)
+    assert fastckpt.open_checkpoint(uri).files.keys() == {"other.bin"}
+
+
+def test_tier_refuses_store_barrier_and_base(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="per_node"):
+        CheckpointWriter(f"{tmp_path}/c", rank=0, world_size=2, barrier=StoreBarrier(), per_node=True)
+    with pytest.raises(ValueError, match="base="):
+        ft.save(state(1, 0), f"{tmp_path}/c", tier=tmp_path / "tier", base="latest")
+
+
+def job(tmp_path: Path, spec: dict) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / f"out-{os.urandom(3).hex()}"
+    out.mkdir()
+    spec = {**spec, "port": port, "out": str(out)}
+    run = subprocess.run([sys.executable, "-m", "tests.ranks.tier_job", json.dumps(spec)], cwd=REPO,
+                         capture_output=True, text=True, timeout=200)
+    records = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
+    assert len(records) == spec["world"], run.stdout[-2000:] + run.stderr[-2000:]
+    return records
+
+
+@pytest.mark.slow
+def test_trainers_killed_after_save_lose_nothing(s3_uri: str, tmp_path: Path) -> None:
+    """Two ranks on two simulated nodes (a tier each) save and are SIGKILLed as soon as ``wait()`` returned: each
+    node's agent drains its rank, the last one commits on moto, and both states load bit-exact from there; a
+    restart on the same nodes reads them from the tiers."""
+    uri, tiers = below(s3_uri, "step-7"), [str(tmp_path / "node-0"), str(tmp_path / "node-1")]
+    saved = job(tmp_path, {"uri": uri, "world": 2, "tiers": tiers, "mode": "save", "step": 7, "kill": True})
+    assert all(r["ok"] for r in saved), saved
+    wait_for(lambda: committed(uri), what="the agents' durable commit")
+    marker = fastckpt.open_checkpoint(uri).info
+    assert (marker.world_size, marker.files) == (2, 2)
+    for rank in (0, 1):
+        assert digest(ft.load(uri, rank=rank)) == saved[rank]["sha"] == digest(state(7, rank))
+    loaded = job(tmp_path, {"uri": uri, "world": 2, "tiers": tiers, "mode": "load"})
+    assert [r["sha"] for r in loaded] == [r["sha"] for r in saved]
+
+
+def test_agent_killed_mid_drain_is_resumed(s3_uri: str, moto_server, tmp_path: Path) -> None:
+    """The agent SIGKILLed while its upload stalls mid-body leaves the queue entry; the next agent drains it and
+    commits, every byte verified."""
+    tier = Tier(tmp_path / "tier")
+    with FaultProxy(urlsplit(moto_server.endpoint).port) as proxy:
+        proxy.arm(Fault("stall", after=1 << 20, seconds=60), times=None)
+        uri = below(s3_uri.replace(moto_server.endpoint, proxy.url), "step-3")
+        st = state(3, 0)
+        ft.save(st, uri, tier=tier)
+        wait_for(lambda: agent_pid(tier) is not None, what="the agent")
+        time.sleep(1.0)  # well into the stalled upload
+        pid = agent_pid(tier)
+        assert pid is not None and tier.pending() and not committed(uri)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: agent_pid(tier) is None, what="the agent's death")
+        assert len(tier.pending()) == 1
+        proxy.arm(None)
+        ensure_agent(tier)
+        wait_for(lambda: committed(uri), what="the resumed drain")
+    durable = below(s3_uri, "step-3")
+    assert fastckpt.verify(durable).ok
+    shutil.rmtree(tier.root)
+    assert digest(ft.load(durable, tier=tier)) == digest(st)
