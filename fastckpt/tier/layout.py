@@ -26,9 +26,10 @@ from dataclasses import asdict, dataclass
 from ..errors import CheckpointError
 from ..stores.local import LocalStore
 from ..uri import StorageURI, parse_uri
+from .spare import retire, spare_files
 
-KEEP = 2
-"""Committed copies a tier keeps by default (older ones are dropped once drained)."""
+KEEP = 1
+"""Committed copies a tier keeps by default (older ones are dropped once drained, their files recycled)."""
 
 
 class TierFullError(CheckpointError):
@@ -79,6 +80,15 @@ def _write_new(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _bytes_below(path: str) -> int:
+    total = 0
+    for top, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(top, name)).st_size
+    return total
+
+
 def checkpoint_id(durable: StorageURI) -> str:
     """A short name for durable checkpoint ``durable`` in the tier's records."""
     return hashlib.sha256(f"{durable.backend}|{durable.bucket}|{durable.key}".encode()).hexdigest()[:20]
@@ -125,23 +135,32 @@ class Tier:
         return parse_uri(path)
 
     def used(self) -> int:
-        """Bytes the tier's copies take."""
-        total = 0
-        for top, _, names in os.walk(os.path.join(self.root, "data")):
-            for name in names:
-                with contextlib.suppress(FileNotFoundError):
-                    total += os.lstat(os.path.join(top, name)).st_size
-        return total
+        """Bytes the tier's copies take (spare files not counted)."""
+        return _bytes_below(os.path.join(self.root, "data"))
 
-    def check_room(self, nbytes: int) -> None:
-        """Make room for ``nbytes`` more (dropping drained copies beyond the newest ``keep``), or TierFullError: a
-        save that does not fit is refused, never swapped out, and an undrained copy is never dropped."""
+    def check_room(self, sizes: list[int]) -> None:
+        """Make room for files of ``sizes`` bytes (dropping drained copies beyond the newest ``keep``, then spare
+        files no file of the save fits in, if need be), or TierFullError: a save that does not fit is refused, never
+        swapped out, and an undrained copy is never dropped."""
         self.prune(self.keep)
-        free = shutil.disk_usage(self.root).free
-        if self.capacity is not None:
-            free = min(free, self.capacity - self.used())
-        if nbytes > free:
-            raise TierFullError(f"tier {self.root} has room for {max(free, 0)} more bytes, the save needs {nbytes}: "
+        spare = sorted(spare_files(self.root), key=lambda ps: ps[1])
+        fresh = 0
+        for size in sorted(sizes, reverse=True):  # the spare files the save will write into, as ``claim`` picks
+            fit = next((ps for ps in spare if ps[1] >= size), None)
+            if fit is None:
+                fresh += size
+            else:
+                spare.remove(fit)
+        nbytes, free, data = sum(sizes), shutil.disk_usage(self.root).free, self.used()
+        unused = sum(size for _, size in spare)
+        if fresh > free or (self.capacity is not None and data + nbytes + unused > self.capacity):
+            for path, size in spare:  # no file of this save fits in these
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+                    free += size
+        room = free if self.capacity is None else min(free, self.capacity - data)
+        if fresh > free or (self.capacity is not None and nbytes > self.capacity - data):
+            raise TierFullError(f"tier {self.root} has room for {max(room, 0)} more bytes, the save needs {nbytes}: "
                                 f"raise its capacity, lower keep= (now {self.keep}), or let the agent drain older "
                                 "copies")
 
@@ -217,12 +236,14 @@ class Tier:
         """Drop drained copies beyond the newest ``keep`` (a copy still queued, or whose drain failed, stays);
         returns the copies dropped."""
         undrained = self.undrained() | self._failed_copies()
+        copies = self.copies()
+        cap = _bytes_below(str(copies[0]["copy"])) if copies else 0
         dropped = []
-        for doc in self.copies()[keep:]:
+        for doc in copies[keep:]:
             copy = str(doc["copy"])
             if copy in undrained:
                 continue
-            shutil.rmtree(copy, ignore_errors=True)
+            retire(self.root, copy, cap)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(str(doc["record"]))
             dropped.append(copy)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Awaitable, Callable
 
 from ..checkpoint.barrier import Barrier
 from ..checkpoint.commit import CommitResult
@@ -25,22 +26,33 @@ POLL_S = 0.1
 """Seconds between looks at the durable marker while waiting for it."""
 
 
-async def save_to_tier(tier: Tier, durable: StorageURI, files: list[tuple[str, Layout]], rank: int, world_size: int,
-                       barrier: Barrier | None, attempt: str | None, config: TransferConfig) -> CommitResult:
-    """Write ``files`` as rank ``rank``'s share of ``durable`` into ``tier`` and commit it there with the other ranks
-    (each in its own node's tier); then queue it for the node agent, started if none runs. The result names the
-    tier's copy."""
-    await off_loop(tier.check_room, sum(layout.size for _, layout in files))
+async def commit_in_tier(tier: Tier, durable: StorageURI, write: Callable[[CheckpointWriter], Awaitable[None]],
+                         rank: int, world_size: int, barrier: Barrier | None, attempt: str | None,
+                         config: TransferConfig) -> CommitResult:
+    """Commit rank ``rank``'s share of ``durable`` into ``tier`` (``write`` puts its files through the writer) with
+    the other ranks, each in its own node's tier; then queue it for the node agent, started if none runs. The result
+    names the tier's copy."""
     writer = CheckpointWriter(tier.copy_of(durable), rank=rank, world_size=world_size, barrier=barrier,
                               attempt=attempt, config=config, store=TierStore(), per_node=True)
     async with writer:
-        for name, layout in files:
-            await writer.put_layout(name, layout)
+        await write(writer)
     result = writer.result
     assert result is not None
     await off_loop(tier.enqueue, durable, result.attempt, rank, result.committed_at)
     await off_loop(ensure_agent, tier)
     return result
+
+
+async def save_to_tier(tier: Tier, durable: StorageURI, files: list[tuple[str, Layout]], rank: int, world_size: int,
+                       barrier: Barrier | None, attempt: str | None, config: TransferConfig) -> CommitResult:
+    """``commit_in_tier`` of ``files`` (bytes in memory, written through the tier's store)."""
+    await off_loop(tier.check_room, [layout.size for _, layout in files])
+
+    async def write(writer: CheckpointWriter) -> None:
+        for name, layout in files:
+            await writer.put_layout(name, layout)
+
+    return await commit_in_tier(tier, durable, write, rank, world_size, barrier, attempt, config)
 
 
 async def wait_durable(tier: Tier, durable: StorageURI, result: CommitResult, timeout: float | None,

@@ -23,6 +23,7 @@ from ..tier.save import save_to_tier, wait_durable
 from ..uri import parse_uri
 from .format import Header, build_header, flatten, split_large, with_state
 from .staging import Staging, byte_view, default_staging, distributed_defaults
+from .tier_staging import commit_staged, stage_in_tier
 
 
 def rank_file(rank: int, part: str = "") -> str:
@@ -92,9 +93,10 @@ def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int 
     """
     rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
     skeleton, tensors = flatten(state_dict)
-    if any(t.device.type != "cpu" for t in tensors.values()):
+    if tier is not None or any(t.device.type != "cpu" for t in tensors.values()):
         return async_save(state_dict, uri, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
-                          config=config, store=store, staging=Staging(), base=base, tier=tier).wait()
+                          config=config, store=store, staging=None if tier else Staging(), base=base,
+                          tier=tier).wait()
     files = [(name, Layout([header.raw] + [byte_view(tensors[n].detach().contiguous()) for n in header.tensors]))
              for name, header in rank_files(rank, skeleton, tensors, base is not None)]
     place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, as_tier(tier, store, base))
@@ -118,15 +120,24 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
     ``tier`` (a directory on this node such as ``/dev/shm/fastckpt``, or a ``fastckpt.tier.Tier``): the save commits
     into the tier (every rank into its own node's; the barrier must not be a store barrier), and the node agent (a
     process of its own, started when none runs) drains it to ``uri`` and commits it there once every rank's data is
-    in. ``wait()`` returns once it is safe in the tier, ``wait(durable=True)`` once it is committed at ``uri``.
+    in. ``wait()`` returns once it is safe in the tier, ``wait(durable=True)`` once it is committed at ``uri``. CPU
+    tensors are copied straight into the tier's files (no staging area; the files' pages are recycled save after
+    save), device tensors through ``staging``.
     ``config`` and ``store`` do not reach the agent: it opens ``uri`` from the environment it was started in.
     """
     rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
     place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, as_tier(tier, store, base))
     started = time.perf_counter()
-    staging = staging or default_staging(rank)
     skeleton, tensors = flatten(state_dict)
     headers = rank_files(rank, skeleton, tensors, base is not None)
+    if place.tier is not None and all(t.device.type == "cpu" for t in tensors.values()):
+        target = parse_uri(uri)
+        staged = stage_in_tier(place.tier, place.tier.copy_of(target), headers, tensors)
+        coro = commit_staged(place.tier, target, staged, rank, world_size, barrier, attempt,
+                             config or TransferConfig.from_env())
+        future = asyncio.run_coroutine_threadsafe(coro, BackgroundLoop.get().loop)
+        return SaveHandle(future, time.perf_counter() - started, (place.tier, uri))
+    staging = staging or default_staging(rank)
     with staging.claim(if_busy):
         data = staging.stage([h for _, h in headers], tensors)
         files = [(name, Layout([h.raw, d])) for (name, h), d in zip(headers, data, strict=True)]

@@ -30,6 +30,20 @@ def synchronize(devices: set[torch.device]) -> None:
             torch.accelerator.synchronize(device)
 
 
+def copy_tensors(area: torch.Tensor, header: Header, tensors: dict[str, torch.Tensor]) -> set[torch.device]:
+    """Copy the tensors ``header`` lays out into ``area`` (uint8: the file's data section); device tensors
+    ``non_blocking``: returns their devices, to ``synchronize`` before the area is read."""
+    devices: set[torch.device] = set()
+    for name, entry in header.tensors.items():
+        if entry.nbytes:
+            src = tensors[name].detach()
+            area[entry.start:entry.end].view(entry.dtype).view(entry.shape).copy_(src,
+                                                                                 non_blocking=src.device.type != "cpu")
+            if src.device.type != "cpu":
+                devices.add(src.device)
+    return devices
+
+
 class Staging:
     """Reused host memory that ``async_save`` copies tensors into before uploading them.
 
@@ -89,13 +103,7 @@ class Staging:
         devices: set[torch.device] = set()
         views, at = [], 0
         for header, size in zip(headers, sizes, strict=True):
-            for name, entry in header.tensors.items():
-                if entry.nbytes:
-                    src = tensors[name].detach()
-                    dst = area[at + entry.start:at + entry.end].view(entry.dtype).view(entry.shape)
-                    dst.copy_(src, non_blocking=src.device.type != "cpu")
-                    if src.device.type != "cpu":
-                        devices.add(src.device)
+            devices |= copy_tensors(area[at:at + size], header, tensors)
             views.append(byte_view(area[at:at + size]) if size else memoryview(b""))
             at += size
         synchronize(devices)

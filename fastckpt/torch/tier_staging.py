@@ -1,0 +1,118 @@
+"""``async_save`` of CPU tensors into a tier: each file is written straight into the tier, a file mapped into memory
+whose pages are recycled save after save (``tier.spare``), so the caller is blocked for one copy of the tensors and
+the save is safe in the tier as soon as it is hashed and committed there."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..checkpoint.barrier import Barrier
+from ..checkpoint.commit import CommitResult
+from ..checkpoint.manifest import FileEntry
+from ..checkpoint.writer import CheckpointWriter
+from ..config import TransferConfig
+from ..engine.layout import Layout, hash_layout
+from ..engine.plan import plan_upload
+from ..integrity import FileDigest, combine
+from ..threads import off_loop
+from ..tier import Tier
+from ..tier.layout import TierStore
+from ..tier.save import commit_in_tier
+from ..tier.spare import claim
+from ..uri import StorageURI
+from .format import Header
+from .staging import byte_view, copy_tensors, synchronize
+
+_maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}
+"""The tier files this process mapped, by (device, inode): a file that comes back recycled is written through the
+mapping it had (its page tables filled already)."""
+_lock = threading.Lock()
+
+
+def mapped(path: str, size: int) -> torch.Tensor:
+    """The first ``size`` bytes of file ``path`` as a uint8 tensor over a shared mapping of it."""
+    fd = os.open(path, os.O_RDWR)
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
+    with _lock:
+        for k, (held_fd, _) in list(_maps.items()):  # files deleted since: their mappings go with their last tensor
+            if os.fstat(held_fd).st_nlink == 0:
+                os.close(_maps.pop(k)[0])
+        held = _maps.get(key)
+        if held is not None and len(held[1]) >= size:
+            os.close(fd)
+            return torch.frombuffer(held[1], dtype=torch.uint8, count=size)
+        if held is not None:
+            os.close(_maps.pop(key)[0])
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        _maps[key] = (fd, m)
+        return torch.frombuffer(m, dtype=torch.uint8, count=size)
+
+
+@dataclass
+class Staged:
+    """One file of the save, written into the tier under a partial name."""
+
+    name: str
+    tmp: str
+    final: str
+    area: torch.Tensor | None = None
+
+
+def stage_in_tier(tier: Tier, copy: StorageURI, headers: list[tuple[str, Header]],
+                  tensors: dict[str, torch.Tensor]) -> list[Staged]:
+    """Write each file of ``headers`` (its header, then its tensors) into the tier's copy ``copy`` under a partial
+    name; TierFullError when it does not fit."""
+    tier.check_room([h.size for _, h in headers])
+    staged: list[Staged] = []
+    devices: set[torch.device] = set()
+    try:
+        for name, header in headers:
+            final = "/" + copy.join(name)
+            staged.append(Staged(name, claim(tier.root, final, header.size), final))
+            area = staged[-1].area = mapped(staged[-1].tmp, header.size)
+            area[:header.data_start].copy_(torch.frombuffer(bytearray(header.raw), dtype=torch.uint8))
+            devices |= copy_tensors(area[header.data_start:], header, tensors)
+        synchronize(devices)
+    except BaseException:
+        discard(staged)
+        raise
+    return staged
+
+
+def discard(staged: list[Staged]) -> None:
+    """Remove the partial files not published."""
+    for s in staged:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(s.tmp)
+
+
+async def commit_staged(tier: Tier, durable: StorageURI, staged: list[Staged], rank: int, world_size: int,
+                        barrier: Barrier | None, attempt: str | None, config: TransferConfig) -> CommitResult:
+    """Hash the staged files, publish them under their names and commit them in the tier with the other ranks
+    (``commit_in_tier``)."""
+    try:
+        entries = []
+        for s in staged:
+            assert s.area is not None
+            size = s.area.numel()
+            part = plan_upload(size, config, TierStore()).part_size
+            chunks = await hash_layout(Layout([byte_view(s.area)]), part)
+            entries.append(FileEntry(s.name, FileDigest(size, part, combine(chunks)), tuple(c.hex() for c in chunks)))
+
+        async def write(writer: CheckpointWriter) -> None:
+            for s in staged:
+                await off_loop(os.replace, s.tmp, s.final)
+            writer.record_written(tuple(entries))
+
+        return await commit_in_tier(tier, durable, write, rank, world_size, barrier, attempt, config)
+    finally:
+        for s in staged:
+            s.area = None
+        discard(staged)
