@@ -95,6 +95,19 @@ def test_copies_beyond_keep_dropped_once_drained(tmp_path: Path) -> None:
         assert digest(ft.load(f"{run}/step-{step}", tier=tier)) == digest(state(step, 0))
 
 
+def test_files_recycled_save_after_save(tmp_path: Path) -> None:
+    """keep=1: the first save goes through staging and readies a spare file for the second; from the third on, each
+    save writes into the file of the copy two saves back, once it is drained; every checkpoint stays bit-exact."""
+    run, tier = f"{tmp_path}/run", Tier(tmp_path / "tier", keep=1)
+    inodes = []
+    for step in (1, 2, 3, 4):
+        ft.async_save(state(step, 0), f"{run}/step-{step}", tier=tier).wait(durable=True, timeout=60)
+        inodes.append(os.stat(f"{tier.copy_of(f'{run}/step-{step}').raw}/rank-00000.safetensors").st_ino)
+    assert inodes[2] == inodes[0] and inodes[3] == inodes[1] and inodes[0] != inodes[1]
+    for step in (1, 2, 3, 4):
+        assert digest(ft.load(f"{run}/step-{step}")) == digest(state(step, 0))
+
+
 def test_full_tier_refused_and_undrained_copies_kept(s3_uri: str, moto_server, tmp_path: Path) -> None:
     """With the durable store unreachable nothing drains: no copy is dropped to make room, and a save that does not
     fit the tier's capacity fails clearly before writing anything."""
@@ -193,3 +206,52 @@ def test_agent_killed_mid_drain_is_resumed(s3_uri: str, moto_server, tmp_path: P
     assert fastckpt.verify(durable).ok
     shutil.rmtree(tier.root)
     assert digest(ft.load(durable, tier=tier)) == digest(st)
+
+
+def test_dcp_writer_and_reader_with_a_tier(tmp_path: Path) -> None:
+    """``dcp.save`` through ``Writer(tier=)`` commits in the tier; ``wait_durable`` returns once the agent committed
+    it at the URI; ``Reader(tier=)`` reads the tier's copy while it holds every file, the URI once it is wiped."""
+    import torch.distributed.checkpoint as dcp
+
+    from fastckpt.torch.dcp import Reader, Writer
+
+    uri, tier = f"{tmp_path}/run/dcp-1", Tier(tmp_path / "tier")
+    st = state(4, 0)
+    writer = Writer(uri, tier=tier)
+    dcp.save(st, storage_writer=writer)
+    assert writer.result is not None and writer.result.uri.startswith(tier.root)
+    assert writer.wait_durable(timeout=60).uri == uri and fastckpt.verify(uri).ok
+
+    def loaded() -> dict:
+        into = {"w": torch.zeros_like(st["w"]), "b": torch.zeros_like(st["b"]), "step": -1, "rank": -1}
+        dcp.load(into, storage_reader=Reader(uri, tier=tier))
+        return into
+
+    moved = tmp_path / "moved"
+    shutil.move(f"{uri}/rank-00000.distcp", moved)
+    assert digest(loaded()) == digest(st)  # the tier's copy
+    shutil.move(moved, f"{uri}/rank-00000.distcp")
+    shutil.rmtree(tier.root)
+    assert digest(loaded()) == digest(st)  # the durable checkpoint
+    with pytest.raises(ValueError, match="tier= or group="):
+        Reader(uri, tier=tier, group=object())
+
+
+@pytest.mark.slow
+def test_dcp_ranks_on_two_nodes_drain_and_adopt_the_marker(s3_uri: str, tmp_path: Path, monkeypatch) -> None:
+    """Two ranks, each saving into its own node's tier through DCP: the coordinator's node commits in its tier, the
+    other node's agent drains its rank and, once the coordinator's agent committed on moto, adopts the marker so its
+    copy is committed on that node too."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("TIER_ROOT", str(tmp_path))
+    run = subprocess.run([sys.executable, "-m", "tests.ranks.dcp_job", "tier", s3_uri, "2", str(port)], cwd=REPO,
+                         capture_output=True, text=True, timeout=200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    uri = below(s3_uri, "d")
+    assert fastckpt.verify(uri).ok
+    other = Tier(tmp_path / "node-1")
+    wait_for(lambda: os.path.exists(os.path.join(other.copy_of(uri).raw, ".fastckpt", "COMMITTED")),
+             what="node 1 adopting the marker")
+    assert not other.pending() and not other.failures()

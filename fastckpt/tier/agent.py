@@ -4,10 +4,11 @@ processes that filled it.
 One agent runs per tier directory (it holds ``.agent/lock``); ``ensure_agent`` starts one, detached from the caller
 (its own session: a SIGKILL of the trainer, or of the trainer's process group, leaves it running), unless one holds
 the lock. The agent takes the queue oldest first, a few entries at a time; an entry leaves the queue only once its
-rank is in the durable store, so a killed agent leaves the queue as the next one resumes it. A drain that cannot
-succeed (the copy damaged, the checkpoint committed by another writer) is recorded in ``.agent/failed`` and the copy
-kept; other failures (the store unreachable) are retried with a growing pause. The agent exits after ``idle``
-seconds with an empty queue.
+checkpoint is committed in the durable store (``drain``), so a killed agent leaves the queue as the next one resumes
+it. A drain that cannot succeed (the copy damaged, the checkpoint committed by another writer, the other ranks' data
+missing for ``FASTCKPT_AGENT_COMMIT_WAIT`` seconds) is recorded in ``.agent/failed`` and the copy kept; other
+failures (the store unreachable) are retried with a growing pause. The agent exits after ``idle`` seconds with an
+empty queue.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ RETRY_S = (1.0, 30.0)
 """First and longest pause before retrying a drain that failed for a reason that may pass."""
 DRAINS = 4
 """Queue entries drained at once."""
+COMMIT_POLL_S = (0.2, 5.0)
+"""First and longest pause between looks at the durable store while other ranks' data is still missing."""
+COMMIT_WAIT_S = float(os.environ.get("FASTCKPT_AGENT_COMMIT_WAIT", 3600))
+"""Seconds an agent waits for the other ranks' data before it gives up on a checkpoint (the copy is kept)."""
 
 
 def _try_lock(tier: Tier) -> int | None:
@@ -113,12 +118,13 @@ def _still_ours(tier: Tier, fd: int) -> bool:
 
 async def _serve(tier: Tier, idle: float, config: TransferConfig, fd: int) -> None:
     running: dict[str, asyncio.Task[None]] = {}
-    retry_at: dict[str, tuple[float, float]] = {}
+    waits: dict[str, _Wait] = {}
     last_busy = time.monotonic()
     while _still_ours(tier, fd):
         now = time.monotonic()
         for path in tier.pending():
-            if path in running or len(running) >= DRAINS or retry_at.get(path, (0.0, 0.0))[0] > now:
+            wait = waits.setdefault(path, _Wait())
+            if path in running or len(running) >= DRAINS or wait.until > now:
                 continue
             try:
                 entry = tier.entry(path)
@@ -127,7 +133,7 @@ async def _serve(tier: Tier, idle: float, config: TransferConfig, fd: int) -> No
             except CheckpointError as exc:
                 tier.record_failure(path, None, exc)
                 continue
-            running[path] = asyncio.create_task(_drain_entry(tier, path, entry, config, retry_at))
+            running[path] = asyncio.create_task(_drain_entry(tier, path, entry, config, wait))
         for path in [p for p, t in running.items() if t.done()]:
             running.pop(path).result()
         if running or tier.pending():
@@ -137,23 +143,50 @@ async def _serve(tier: Tier, idle: float, config: TransferConfig, fd: int) -> No
         await asyncio.sleep(POLL_S)
 
 
-async def _drain_entry(tier: Tier, path: str, entry: QueueEntry, config: TransferConfig,
-                       retry_at: dict[str, tuple[float, float]]) -> None:
-    """Drain one queue entry; on success it leaves the queue (and drained copies beyond the newest ``keep`` go)."""
+class _Wait:
+    """One queue entry's state in this agent: uploaded already, when to look again, the last pause."""
+
+    def __init__(self) -> None:
+        self.uploaded = False
+        self.until = 0.0
+        self.pause = 0.0
+
+    def again(self, first: float, longest: float) -> float:
+        """Look again after a pause growing from ``first`` to ``longest``; returns it."""
+        self.pause = min(longest, max(first, 2 * self.pause))
+        self.until = time.monotonic() + self.pause
+        return self.pause
+
+
+async def _drain_entry(tier: Tier, path: str, entry: QueueEntry, config: TransferConfig, wait: _Wait) -> None:
+    """Drain one queue entry; it leaves the queue once its checkpoint is committed in the durable store (and drained
+    copies beyond the newest ``keep`` go)."""
     try:
         async with store_for(parse_uri(entry.durable), config) as store:
-            committed = await drain(entry, store, config)
+            committed = await drain(entry, store, config, upload=not wait.uploaded)
     except (CheckpointError, IntegrityError) as exc:
         log.error("agent: giving up on %s: %s", path, exc)
         tier.record_failure(path, entry, exc)
         return
     except Exception as exc:
-        pause = min(RETRY_S[1], 2 * retry_at.get(path, (0.0, RETRY_S[0] / 2))[1])
-        log.warning("agent: draining %s failed (%s); retrying in %.0f s", path, exc, pause)
-        retry_at[path] = (time.monotonic() + pause, pause)
+        log.warning("agent: draining %s failed (%s); retrying in %.0f s", path, exc, wait.again(*RETRY_S))
+        return
+    if not committed:
+        wait.uploaded = True
+        if time.time() - _queued_at(path) > COMMIT_WAIT_S:
+            tier.record_failure(path, entry, CheckpointError(
+                f"not every rank's data reached {entry.durable} within {COMMIT_WAIT_S:.0f} s of this rank's"))
+        else:
+            wait.again(*COMMIT_POLL_S)
         return
     with contextlib.suppress(FileNotFoundError):
         os.remove(path)
-    retry_at.pop(path, None)
-    log.info("agent: rank %d of %s drained%s", entry.rank, entry.durable, " (committed)" if committed else "")
+    log.info("agent: rank %d of %s drained and committed", entry.rank, entry.durable)
     tier.prune(entry.keep)
+
+
+def _queued_at(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except FileNotFoundError:
+        return time.time()

@@ -4,11 +4,14 @@ Each node's agent uploads its ranks' files (create-if-absent, each checked again
 then the manifests as they are in the tier. After each rank, the agent lists the attempt's manifests in the durable
 store; when every rank the marker names is there (each checked against the marker's digest) and every file they
 name has its size, it creates the marker, the same bytes the tier holds, create-if-absent. Whichever agent finishes
-last sees every manifest, so exactly one commit wins and the others find the same bytes there.
+last sees every manifest, so exactly one commit wins and the others find the same bytes there. A node whose tier has
+no marker (a DCP save commits on the coordinator's node alone) waits for the durable one and adopts it, so that its
+copy is committed there too; every agent keeps its entry queued until the durable commit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -25,26 +28,46 @@ log = logging.getLogger("fastckpt")
 
 
 async def read_copy(local: Store, copy: StorageURI, rank: int, attempt: str
-                    ) -> tuple[bytes, CommitMarker, bytes, RankManifest]:
-    """The tier copy's marker and rank ``rank``'s manifest (raw and decoded), checked against each other."""
-    raw = await read_object(local, marker_key(copy.key))
-    marker = CommitMarker.decode(raw, marker_key(copy.key))
-    if marker.attempt != attempt:
-        raise CheckpointError(f"tier copy {copy.raw} holds attempt {marker.attempt!r}, not {attempt!r}")
+                    ) -> tuple[tuple[bytes, CommitMarker] | None, bytes, RankManifest]:
+    """The tier copy's marker (None where this node has none: a DCP save commits on the coordinator's node alone)
+    and rank ``rank``'s manifest (raw and decoded), checked against each other and ``attempt``."""
+    marker = None
+    with contextlib.suppress(ObjectNotFoundError):
+        raw = await read_object(local, marker_key(copy.key))
+        marker = raw, CommitMarker.decode(raw, marker_key(copy.key))
     mkey = rank_key(meta_prefix(copy.key), attempt, rank)
     data = await read_object(local, mkey)
-    if rank >= marker.world_size or digest_of(data) != marker.manifests[rank]:
-        raise CheckpointError(f"tier copy {copy.raw}: manifest of rank {rank} is not the one its marker names")
-    return raw, marker, data, RankManifest.decode(data, mkey)
+    manifest = RankManifest.decode(data, mkey)
+    if (manifest.attempt, manifest.rank, manifest.error) != (attempt, rank, None):
+        raise CheckpointError(f"tier copy {copy.raw}: the manifest of rank {rank} is not one of attempt {attempt!r}")
+    if marker is not None:
+        if marker[1].attempt != attempt:
+            raise CheckpointError(f"tier copy {copy.raw} holds attempt {marker[1].attempt!r}, not {attempt!r}")
+        if rank >= marker[1].world_size or digest_of(data) != marker[1].manifests[rank]:
+            raise CheckpointError(f"tier copy {copy.raw}: manifest of rank {rank} is not the one its marker names")
+    return marker, data, manifest
 
 
-async def drain(entry: QueueEntry, store: Store, config: TransferConfig) -> bool:
-    """Upload ``entry``'s rank to its durable checkpoint through ``store``; True once that checkpoint is committed
-    there (by this call or another agent's), False while other ranks' data is still missing."""
+async def drain(entry: QueueEntry, store: Store, config: TransferConfig, upload: bool = True) -> bool:
+    """Upload ``entry``'s rank to its durable checkpoint through ``store`` (unless ``upload`` is False: done
+    already), and commit it there when every rank's data is in and this node holds the marker. True once the
+    checkpoint is committed there (by whichever agent); the tier copy then holds the marker too."""
     copy, durable = parse_uri(entry.copy), parse_uri(entry.durable)
-    raw, marker, data, manifest = await read_copy(TierStore(), copy, entry.rank, entry.attempt)
-    if await _committed(store, durable, raw):
+    local = TierStore()
+    marker, data, manifest = await read_copy(local, copy, entry.rank, entry.attempt)
+    if await _adopt(store, durable, local, copy, entry.attempt):
         return True
+    if upload:
+        await _upload(store, config, copy, durable, manifest)
+        await _put_same(store, rank_key(meta_prefix(durable.key), entry.attempt, entry.rank), data)
+    if marker is not None and await commit_if_complete(store, durable, marker[1], marker[0]):
+        return True
+    return await _adopt(store, durable, local, copy, entry.attempt)
+
+
+async def _upload(store: Store, config: TransferConfig, copy: StorageURI, durable: StorageURI,
+                  manifest: RankManifest) -> None:
+    """The manifest's files from the tier copy to the durable checkpoint, each checked against its digest."""
     for f in manifest.files:
         key, path = durable.join(f.name), "/" + copy.join(f.name)
         transfer = Transfer(store, dataclasses.replace(config, part_size=f.digest.chunk_size))
@@ -60,19 +83,22 @@ async def drain(entry: QueueEntry, store: Store, config: TransferConfig) -> bool
         finally:
             transfer.close()
         if result.digest != f.digest:
-            raise IntegrityError(f"tier copy {copy.raw}/{f.name} no longer holds what rank {entry.rank} saved")
-    await _put_same(store, rank_key(meta_prefix(durable.key), entry.attempt, entry.rank), data)
-    return await commit_if_complete(store, durable, marker, raw)
+            raise IntegrityError(f"tier copy {copy.raw}/{f.name} no longer holds what rank {manifest.rank} saved")
 
 
-async def _committed(store: Store, durable: StorageURI, raw: bytes) -> bool:
+async def _adopt(store: Store, durable: StorageURI, local: Store, copy: StorageURI, attempt: str) -> bool:
+    """Whether ``durable`` is committed by ``attempt`` (CheckpointError when by another); if so, the tier copy gets
+    its marker (where it had none) and is committed on this node too."""
     try:
-        found = await read_object(store, marker_key(durable.key))
+        raw = await read_object(store, marker_key(durable.key))
     except ObjectNotFoundError:
         return False
-    if found != raw:
-        raise CheckpointError(f"checkpoint {durable.raw} was committed by another writer; the tier copy of attempt "
-                              f"{CommitMarker.decode(raw, durable.raw).attempt!r} is not drained there")
+    found = CommitMarker.decode(raw, marker_key(durable.key))
+    if found.attempt != attempt:
+        raise CheckpointError(f"checkpoint {durable.raw} was committed by another writer (attempt {found.attempt!r});"
+                              f" the tier copy of attempt {attempt!r} is not drained there")
+    with contextlib.suppress(AlreadyExistsError):
+        await local.put(marker_key(copy.key), raw, if_absent=True)
     return True
 
 
@@ -87,17 +113,17 @@ async def _put_same(store: Store, key: str, data: bytes) -> None:
 
 async def commit_if_complete(store: Store, durable: StorageURI, marker: CommitMarker, raw: bytes) -> bool:
     """Create the marker ``raw`` at ``durable`` when every manifest it names is there with the files they name;
-    True when the checkpoint is committed (now or before)."""
+    True when it did (or found the same marker there)."""
     prefix = join_key(meta_prefix(durable.key), marker.attempt) + "/"
     present = {m.key async for m in store.list(prefix)}
     keys = [rank_key(meta_prefix(durable.key), marker.attempt, r) for r in range(marker.world_size)]
     if any(k not in present for k in keys):
-        return await _committed(store, durable, raw)
+        return False
     sizes = {m.key: m.size for m in [m async for m in store.list(durable.key)]}
     for rank, key in enumerate(keys):
         data = await read_object(store, key)
         if digest_of(data) != marker.manifests[rank]:
-            return await _committed(store, durable, raw)  # another attempt's, being replaced by its agent
+            return False  # another attempt's, being replaced by its agent
         for f in RankManifest.decode(data, key).files:
             if sizes.get(durable.join(f.name)) != f.digest.size:
                 raise CheckpointError(f"checkpoint {durable.raw}: {f.name!r} of rank {rank} is missing or has "
@@ -105,6 +131,7 @@ async def commit_if_complete(store: Store, durable: StorageURI, marker: CommitMa
     try:
         await store.put(marker_key(durable.key), raw, if_absent=True)
     except AlreadyExistsError:
-        return await _committed(store, durable, raw)
+        if await read_object(store, marker_key(durable.key)) != raw:
+            raise CheckpointError(f"checkpoint {durable.raw} was committed by another writer meanwhile") from None
     log.info("agent: committed %s (attempt %s, %d ranks)", durable.raw, marker.attempt, marker.world_size)
     return True

@@ -50,6 +50,29 @@ def retire(root: str, copy: str, cap: int) -> None:
     shutil.rmtree(copy, ignore_errors=True)
 
 
+def fits(root: str, sizes: list[int]) -> bool:
+    """Whether spare files can take files of every one of ``sizes`` (``claim`` then recycles them all)."""
+    spare = sorted(size for _, size in spare_files(root))
+    for size in sorted(sizes, reverse=True):
+        fit = next((i for i, s in enumerate(spare) if s >= size), None)
+        if fit is None:
+            return False
+        spare.pop(fit)
+    return True
+
+
+def prepare(root: str, name: str, size: int) -> str | None:
+    """A new spare file of ``size`` bytes named after file ``name`` (for the next save of it), unless a spare file
+    already held such a file and is large enough; its path (None: none made)."""
+    if any(os.path.basename(p).startswith(name + ".") and s >= size for p, s in spare_files(root)):
+        return None
+    os.makedirs(spare_dir(root), exist_ok=True)
+    path = os.path.join(spare_dir(root), f"{name}.{secrets.token_hex(6)}")
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
 def claim(root: str, final: str, size: int) -> str:
     """A partial file beside ``final`` of ``size`` bytes to fill: a spare file when one is large enough (one that
     held a file of the same name first, then the smallest), else a new one. Returns its path."""

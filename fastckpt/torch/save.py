@@ -18,12 +18,13 @@ from ..config import TransferConfig
 from ..engine.layout import Layout
 from ..engine.open_stores import store_for
 from ..stores.base import Store
+from ..threads import off_loop
 from ..tier import Tier
 from ..tier.save import save_to_tier, wait_durable
 from ..uri import parse_uri
 from .format import Header, build_header, flatten, split_large, with_state
 from .staging import Staging, byte_view, default_staging, distributed_defaults
-from .tier_staging import commit_staged, stage_in_tier
+from .tier_staging import commit_staged, prepare_spares, stage_in_tier
 
 
 def rank_file(rank: int, part: str = "") -> str:
@@ -121,27 +122,30 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
     into the tier (every rank into its own node's; the barrier must not be a store barrier), and the node agent (a
     process of its own, started when none runs) drains it to ``uri`` and commits it there once every rank's data is
     in. ``wait()`` returns once it is safe in the tier, ``wait(durable=True)`` once it is committed at ``uri``. CPU
-    tensors are copied straight into the tier's files (no staging area; the files' pages are recycled save after
-    save), device tensors through ``staging``.
-    ``config`` and ``store`` do not reach the agent: it opens ``uri`` from the environment it was started in.
+    tensors are copied straight into the tier's files, whose pages are recycled save after save (the first save into
+    a tier goes through ``staging`` and readies those files); device tensors go through ``staging``. ``config`` does
+    not reach the agent: it opens ``uri`` from the environment it was started in.
     """
     rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
     place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, as_tier(tier, store, base))
     started = time.perf_counter()
     skeleton, tensors = flatten(state_dict)
     headers = rank_files(rank, skeleton, tensors, base is not None)
+    spares: list[tuple[str, int]] = []
     if place.tier is not None and all(t.device.type == "cpu" for t in tensors.values()):
         target = parse_uri(uri)
         staged = stage_in_tier(place.tier, place.tier.copy_of(target), headers, tensors)
-        coro = commit_staged(place.tier, target, staged, rank, world_size, barrier, attempt,
-                             config or TransferConfig.from_env())
-        future = asyncio.run_coroutine_threadsafe(coro, BackgroundLoop.get().loop)
-        return SaveHandle(future, time.perf_counter() - started, (place.tier, uri))
+        if staged is not None:
+            coro = commit_staged(place.tier, target, staged, rank, world_size, barrier, attempt,
+                                 config or TransferConfig.from_env())
+            future = asyncio.run_coroutine_threadsafe(coro, BackgroundLoop.get().loop)
+            return SaveHandle(future, time.perf_counter() - started, (place.tier, uri))
+        spares = [(name, h.size) for name, h in headers]
     staging = staging or default_staging(rank)
     with staging.claim(if_busy):
         data = staging.stage([h for _, h in headers], tensors)
         files = [(name, Layout([h.raw, d])) for (name, h), d in zip(headers, data, strict=True)]
-        future = asyncio.run_coroutine_threadsafe(_commit(files, place), BackgroundLoop.get().loop)
+        future = asyncio.run_coroutine_threadsafe(_commit(files, place, spares), BackgroundLoop.get().loop)
         staging.track(future)
     return SaveHandle(future, time.perf_counter() - started, None if place.tier is None else (place.tier, uri))
 
@@ -170,10 +174,15 @@ class _Place:
     tier: Tier | None
 
 
-async def _commit(files: list[tuple[str, Layout]], p: _Place) -> CommitResult:
+async def _commit(files: list[tuple[str, Layout]], p: _Place, spares: list[tuple[str, int]] | None = None
+                  ) -> CommitResult:
+    """Commit ``files``; into a tier, then ready ``spares`` (name, size) for the next save (``prepare_spares``)."""
     target, cfg = parse_uri(p.uri), p.config or TransferConfig.from_env()
     if p.tier is not None:
-        return await save_to_tier(p.tier, target, files, p.rank, p.world_size, p.barrier, p.attempt, cfg)
+        result = await save_to_tier(p.tier, target, files, p.rank, p.world_size, p.barrier, p.attempt, cfg)
+        if spares:
+            await off_loop(prepare_spares, p.tier, spares)
+        return result
     async with contextlib.AsyncExitStack() as stack:
         store = p.store
         if store is None:

@@ -21,10 +21,10 @@ from ..engine.layout import Layout, hash_layout
 from ..engine.plan import plan_upload
 from ..integrity import FileDigest, combine
 from ..threads import off_loop
-from ..tier import Tier
+from ..tier import Tier, TierFullError
 from ..tier.layout import TierStore
 from ..tier.save import commit_in_tier
-from ..tier.spare import claim
+from ..tier.spare import claim, fits, prepare
 from ..uri import StorageURI
 from .format import Header
 from .staging import byte_view, copy_tensors, synchronize
@@ -66,10 +66,15 @@ class Staged:
 
 
 def stage_in_tier(tier: Tier, copy: StorageURI, headers: list[tuple[str, Header]],
-                  tensors: dict[str, torch.Tensor]) -> list[Staged]:
+                  tensors: dict[str, torch.Tensor]) -> list[Staged] | None:
     """Write each file of ``headers`` (its header, then its tensors) into the tier's copy ``copy`` under a partial
-    name; TierFullError when it does not fit."""
-    tier.check_room([h.size for _, h in headers])
+    name, in spare files (``tier.spare``); None when there are none to take them all (the first saves into a tier:
+    filling fresh pages would block the caller several times longer than a copy, so those go through the staging
+    area, and ``prepare_spares`` readies files for the next). TierFullError when the save does not fit."""
+    sizes = [h.size for _, h in headers]
+    tier.check_room(sizes)
+    if not fits(tier.root, sizes):
+        return None
     staged: list[Staged] = []
     devices: set[torch.device] = set()
     try:
@@ -84,6 +89,19 @@ def stage_in_tier(tier: Tier, copy: StorageURI, headers: list[tuple[str, Header]
         discard(staged)
         raise
     return staged
+
+
+def prepare_spares(tier: Tier, files: list[tuple[str, int]]) -> None:
+    """Spare files for the next save of ``files`` (name, size), mapped here with their pages filled, so that the
+    next save copies into memory as warm as a staging area's; skipped where the tier has no room for them."""
+    try:
+        tier.check_room([size for _, size in files])
+    except TierFullError:
+        return
+    for name, size in files:
+        path = prepare(tier.root, name, size)
+        if path is not None:
+            mapped(path, size)
 
 
 def discard(staged: list[Staged]) -> None:

@@ -141,6 +141,13 @@ def rank_main(rank: int, mode: str, base: str, world: int, port: int) -> None:
             ft.save({"shard": full_state(6)["head"][rank::world].clone()}, below(base, "u"))
         elif mode == "incr":  # frozen weights, trained adapters: the second save copies the weights' parts
             incremental_saves(rank, world, mesh, base)
+        elif mode == "tier":  # every rank into its own node's tier; the agents drain and commit at the URI
+            writer = Writer(below(base, "d"), tier=os.path.join(os.environ["TIER_ROOT"], f"node-{rank}"))
+            dcp.async_save(sharded(full_state(7), mesh, 70), storage_writer=writer).result()
+            if rank == 0:
+                assert writer.wait_durable(timeout=120).uri == below(base, "d")
+            dist.barrier()
+            check(load_into(below(base, "d"), mesh, 7), full_state(7), 70)
         elif mode == "resave":
             dcp.save(sharded(full_state(4), mesh, 40), storage_writer=Writer(below(base, "c")))
             check(load_into(below(base, "c"), mesh, 4), full_state(4), 40)
