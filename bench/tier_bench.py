@@ -1,7 +1,7 @@
 """Checkpoint tiers: saves into a node's memory tier drained by the node agent, against today's ``async_save`` and
 DCP's ``async_save``; restores from the tier, from the durable store, after the trainer was killed.
 
-    python -m bench.tier_bench --gib 2 --ranks 2 --saves 3 --rounds 2 --kills 20
+    python -m bench.tier_bench --gib 2 --ranks 2 --saves 5 --rounds 2 --kills 20
 
 The durable store is the JuiceFS S3 gateway on 127.0.0.1; nodes are simulated by one tier directory per rank below
 ``--tier-root`` (``/dev/shm`` by default) and the agent each rank's save starts there. The state (``--gib`` in all,
@@ -9,13 +9,16 @@ split over ``--ranks`` gloo processes) is bf16 tensors of 64 MiB. Each save job 
 (one job per engine and round, rounds interleaved) and reports per rank and save: seconds training was blocked, until
 safe in the tier (``wait()``), until committed in the durable store, against a bare ``copy_()`` of the same tensors
 into memory allocated once. Engines: ``fastckpt-tier`` (``async_save(..., tier=)``), ``fastckpt`` (``async_save``
-to S3), ``dcp-async`` (``dcp.async_save`` through ``fastckpt.torch.dcp.Writer``).
+to S3), ``dcp-async`` (``dcp.async_save`` through ``fastckpt.torch.dcp.Writer``), ``fastckpt-tier-peer``
+(``async_save(..., tier=, replicas=1)``: each rank's copy also sent to the other node's tier).
 
 Restores (each rank in its own process, the page cache written back and dropped first: cold): (b) a restart on the
 same node (``load(..., tier=)``, served by the tier), (c) a node whose tier was wiped (the same call, served by the
-durable store), today's ``load`` from S3 and ``dcp.load`` through fastckpt's ``Reader``. (a) ``--kills`` times: a
-save job whose ranks SIGKILL themselves as soon as ``wait()`` returned; the checkpoint must then be committed by the
-agents and load bit-exact from the durable store (lost otherwise), and the restore from the tier is timed.
+durable store), today's ``load`` from S3 and ``dcp.load`` through fastckpt's ``Reader``; after ``fastckpt-tier-peer``
+saves, node 0's tier wiped and ``restore_tier`` + ``load(..., tier=)`` (rank 0's copy from node 1's tier). (a)
+``--kills`` times: a save job whose ranks SIGKILL themselves as soon as ``wait()`` returned; the checkpoint must then
+be committed by the agents and load bit-exact from the durable store (lost otherwise), and the restore from the tier
+is timed.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ if REPO not in sys.path:
 from bench.juicefs import JuiceFSGateway, delete_prefix  # noqa: E402
 from bench.state_bench import BUCKET, s3_env  # noqa: E402
 
-ENGINES = ["fastckpt-tier", "fastckpt", "dcp-async"]
+ENGINES = ["fastckpt-tier", "fastckpt", "dcp-async", "fastckpt-tier-peer"]
 TENSOR = 64 << 20
 
 
@@ -129,8 +132,8 @@ def rank_worker(spec: dict[str, Any], rank: int) -> dict[str, Any]:
             uri = uri_of(spec, f"{spec['name']}/step-{step}")
             dist.barrier()
             t0 = time.perf_counter()
-            if engine == "fastckpt-tier":
-                h = ft.async_save(state, uri, tier=tier, staging=staging)
+            if engine in ("fastckpt-tier", "fastckpt-tier-peer"):
+                h = ft.async_save(state, uri, tier=tier, staging=staging, replicas=int(engine.endswith("peer")))
                 blocked = time.perf_counter() - t0
                 h.wait()
                 safe = time.perf_counter() - t0
@@ -165,6 +168,9 @@ def rank_worker(spec: dict[str, Any], rank: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         if engine == "dcp":
             dcp.load(into, storage_reader=Reader(uri))
+        elif engine == "restore":
+            out["received"] = ft.restore_tier(uri, tier)
+            into = ft.load(uri, rank=rank, state_dict=into, tier=tier)
         else:
             into = ft.load(uri, rank=rank, state_dict=into, tier=tier if engine == "tier" else None)
         out["load_s"] = time.perf_counter() - t0
@@ -259,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
                     settle()
                     loads += [{"how": "wiped tier (durable)", **r} for r in run_job(
                         {**base, "mode": "load", "engine": "tier", "name": last, "step": args.saves}, env)]
+                if engine == "fastckpt-tier-peer":
+                    shutil.rmtree(tiers[0], ignore_errors=True)
+                    settle()
+                    loads += [{"how": "wiped node, peer replica (restore_tier + load)", **r} for r in run_job(
+                        {**base, "mode": "load", "engine": "restore", "name": f"{name}/step-{args.saves}",
+                         "step": args.saves}, env)]
                 if engine == "dcp-async":
                     settle()
                     loads += [{"how": "DCP Reader (S3)", **r} for r in run_job(

@@ -108,9 +108,6 @@ def download(src: str | StorageURI, dst: PathLike, *, config: TransferConfig | N
     return BackgroundLoop.get().run(download_async(src, dst, config=config, progress=progress))
 
 
-__all__ = ["download", "download_async", "join_key", "upload", "upload_async"]
-
-
 async def latest_async(uri: str | StorageURI, *, tier: PathLike | Tier | None = None,
                        config: TransferConfig | None = None) -> str | None:
     """URI of the newest committed checkpoint at ``uri`` (by commit time, then name), or None. ``tier`` (this node's
@@ -125,3 +122,6 @@ def latest(uri: str | StorageURI, *, tier: PathLike | Tier | None = None,
            config: TransferConfig | None = None) -> str | None:
     """Sync twin of ``latest_async``."""
     return BackgroundLoop.get().run(latest_async(uri, tier=tier, config=config))
+
+
+__all__ = ["download", "download_async", "join_key", "latest", "latest_async", "upload", "upload_async"]

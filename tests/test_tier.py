@@ -24,6 +24,7 @@ from fastckpt import CheckpointWriter, StoreBarrier  # noqa: E402
 from fastckpt.errors import CheckpointError  # noqa: E402
 from fastckpt.tier import Tier, TierFullError, ensure_agent  # noqa: E402
 from fastckpt.tier.agent import agent_pid  # noqa: E402
+from fastckpt.tier.spare import spare_files  # noqa: E402
 from harness.proxy import Fault, FaultProxy  # noqa: E402
 from harness.uris import below  # noqa: E402
 from tests.ranks.tier_job import digest, state  # noqa: E402
@@ -103,6 +104,8 @@ def test_files_recycled_save_after_save(tmp_path: Path) -> None:
     for step in (1, 2, 3, 4):
         ft.async_save(state(step, 0), f"{run}/step-{step}", tier=tier).wait(durable=True, timeout=60)
         inodes.append(os.stat(f"{tier.copy_of(f'{run}/step-{step}').raw}/rank-00000.safetensors").st_ino)
+        if step == 1:  # readied in the background once the first save is committed
+            wait_for(lambda: spare_files(tier.root), what="a spare file for the next save")
     assert inodes[2] == inodes[0] and inodes[3] == inodes[1] and inodes[0] != inodes[1]
     for step in (1, 2, 3, 4):
         assert digest(ft.load(f"{run}/step-{step}")) == digest(state(step, 0))
@@ -255,3 +258,32 @@ def test_dcp_ranks_on_two_nodes_drain_and_adopt_the_marker(s3_uri: str, tmp_path
     wait_for(lambda: os.path.exists(os.path.join(other.copy_of(uri).raw, ".fastckpt", "COMMITTED")),
              what="node 1 adopting the marker")
     assert not other.pending() and not other.failures()
+
+
+@pytest.mark.slow
+def test_peer_replicas_restore_a_wiped_node_without_the_bucket(s3_uri: str, moto_server, tmp_path: Path) -> None:
+    """``replicas=1``: each rank's copy also lands in the other node's tier. With the bucket unreachable, node 0's
+    tier is wiped; after ``restore_tier`` both ranks load bit-exact from their tiers (rank 0's copy came back from
+    node 1). A checkpoint saved without replicas (drained before) has no peer copy: rank 0 reads it from the
+    bucket once the bucket is back."""
+    tiers = [str(tmp_path / "node-0"), str(tmp_path / "node-1")]
+    with FaultProxy(urlsplit(moto_server.endpoint).port) as proxy:
+        base = s3_uri.replace(moto_server.endpoint, proxy.url)
+        with_replica, without = below(base, "step-8"), below(base, "step-9")
+        saved = job(tmp_path, {"uri": without, "world": 2, "tiers": tiers, "mode": "save", "step": 9})
+        assert all(r["ok"] for r in saved), saved
+        wait_for(lambda: committed(below(s3_uri, "step-9")), what="step-9 drained")
+        proxy.outage(600)
+        saved = job(tmp_path, {"uri": with_replica, "world": 2, "tiers": tiers, "mode": "save", "step": 8,
+                               "replicas": 1})
+        assert all(r["ok"] for r in saved), saved
+        assert os.path.exists(f"{Tier(tiers[1]).copy_of(with_replica).raw}/rank-00000.safetensors")  # the replica
+        assert not os.path.exists(f"{Tier(tiers[1]).copy_of(without).raw}/rank-00000.safetensors")
+        shutil.rmtree(tiers[0])
+        restored = job(tmp_path, {"uri": with_replica, "world": 2, "tiers": tiers, "mode": "restore", "step": 8})
+        assert [r["received"] for r in restored] == [[0], []], restored
+        assert [r["sha"] for r in restored] == [digest(state(8, 0)), digest(state(8, 1))], restored
+        proxy.outage(0)
+        again = job(tmp_path, {"uri": without, "world": 2, "tiers": tiers, "mode": "restore", "step": 9})
+        assert [r["received"] for r in again] == [[], []], again
+        assert [r["sha"] for r in again] == [digest(state(9, 0)), digest(state(9, 1))], again

@@ -57,6 +57,10 @@ class TorchBarrier(Barrier):
                 self._gloo = gloo_group(self.group)
             return self._gloo
 
+    def gloo(self) -> Any:
+        """The gloo group the barrier's collectives run on (made on first use)."""
+        return self._group()
+
     def _root(self, group: Any) -> int:
         return dist.get_global_rank(group, 0) if group is not None else 0
 

@@ -4,13 +4,15 @@ Layout of a tier directory ``T`` (one per node and user; ``/dev/shm/fastckpt`` o
 
     T/data/{scheme}/{bucket}/{key}/...        the copy of durable checkpoint {scheme}://{bucket}/{key}: a committed
                                               checkpoint of the local store (this node's ranks' files and manifests,
-                                              and the marker every rank agreed on)
-    T/.agent/queue/{ns}-{rank}-{id}.json      one rank's copy waiting to be drained (removed once it is durable)
+                                              peers' replicas, and the marker every rank agreed on)
+    T/.agent/queue/{ns}-{rank}-{id}.json      one rank's copy waiting to be drained (removed once the checkpoint is
+                                              committed in the durable store)
     T/.agent/failed/{same name}               why a drain gave up (the copy is kept)
     T/.agent/copies/{id}.json                 each committed copy: its durable URI and commit time (for pruning)
-    T/.agent/lock                             held by the running agent (flock)
+    T/.agent/spare/{name}.{token}             files of dropped copies, written into by the next saves (``spare``)
+    T/.agent/lock, agent.log                  held by the running agent (flock; its process id inside), its log
 
-A copy is dropped only once the durable store holds the same commit marker, and only beyond the newest ``keep``.
+A copy is dropped only once no queue entry or failure record names it, and only beyond the newest ``keep``.
 """
 
 from __future__ import annotations
@@ -105,28 +107,16 @@ class Tier:
             raise ValueError(f"tier capacity must be positive, not {capacity}")
         self.root = os.path.abspath(os.fspath(root))
         self.keep, self.capacity = keep, capacity
+        self.agent_dir = os.path.join(self.root, ".agent")
+        """The agent's directory (queue, failures, records, lock, log)."""
+        self.queue_dir = os.path.join(self.agent_dir, "queue")
+        """Queue entries, one per rank's copy not yet drained."""
+        self.failed_dir = os.path.join(self.agent_dir, "failed")
+        """Why drains gave up."""
+        self.copies_dir = os.path.join(self.agent_dir, "copies")
+        """One record per committed copy."""
         for d in (self.queue_dir, self.failed_dir, self.copies_dir):
             os.makedirs(d, exist_ok=True)
-
-    @property
-    def agent_dir(self) -> str:
-        """The agent's directory (queue, failures, records, lock, log)."""
-        return os.path.join(self.root, ".agent")
-
-    @property
-    def queue_dir(self) -> str:
-        """Queue entries, one per rank's copy not yet drained."""
-        return os.path.join(self.agent_dir, "queue")
-
-    @property
-    def failed_dir(self) -> str:
-        """Why drains gave up."""
-        return os.path.join(self.agent_dir, "failed")
-
-    @property
-    def copies_dir(self) -> str:
-        """One record per committed copy."""
-        return os.path.join(self.agent_dir, "copies")
 
     def copy_of(self, durable: str | StorageURI) -> StorageURI:
         """Where this tier keeps its copy of durable checkpoint ``durable`` (a local path)."""
@@ -178,6 +168,11 @@ class Tier:
         with contextlib.suppress(FileNotFoundError):
             return [os.path.join(self.queue_dir, n) for n in sorted(os.listdir(self.queue_dir)) if n.endswith(".json")]
         return []
+
+    def queued(self, durable: StorageURI, rank: int) -> bool:
+        """Whether rank ``rank``'s copy of ``durable`` is still queued (its checkpoint not yet committed there)."""
+        suffix = f"-{rank:05d}-{checkpoint_id(durable)}.json"
+        return any(p.endswith(suffix) for p in self.pending())
 
     def entry(self, path: str) -> QueueEntry:
         """The queue entry at ``path`` (FileNotFoundError once taken off the queue)."""

@@ -4,15 +4,17 @@ store; and the newest committed checkpoint across both."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable
 
 from ..checkpoint.catalog import COMMITTED, candidates, checkpoint_name, list_checkpoints_async
 from ..checkpoint.documents import read_object
-from ..checkpoint.manifest import CommitMarker, digest_of, marker_key, meta_prefix, rank_key
+from ..checkpoint.manifest import CommitMarker, marker_key
 from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..config import TransferConfig
 from ..errors import CheckpointError, ObjectNotFoundError
 from ..stores.base import Store
+from ..threads import off_loop
 from ..uri import StorageURI, parse_uri
 from .layout import Tier, TierStore
 
@@ -27,23 +29,28 @@ async def _marker(store: Store, key: str) -> tuple[bytes, CommitMarker] | None:
 async def nearest_copy(durable: str | StorageURI, tier: Tier, ranks: Iterable[int] | None,
                        config: TransferConfig | None = None) -> Checkpoint | None:
     """``tier``'s copy of committed checkpoint ``durable``, opened for ``ranks`` (None: every rank), when it holds
-    every manifest they need; None when the durable store must serve the read. A copy whose marker differs from the
-    durable one (another attempt committed there) is not used."""
+    every manifest and file they need; None when the durable store must serve the read."""
     uri = parse_uri(durable) if not isinstance(durable, StorageURI) else durable
-    copy, local = tier.copy_of(uri), TierStore()
-    found = await _marker(local, copy.key)
-    if found is None:
+    copy = tier.copy_of(uri)
+    if not os.path.isdir("/" + copy.key):
         return None
-    _, marker = found
-    wanted = range(marker.world_size) if ranks is None else [r for r in ranks if r < marker.world_size]
-    for rank in wanted:
+    try:  # committed there, the manifests of ``ranks`` there and as the marker names them
+        ckpt = await open_checkpoint_async(copy, config=config, store=TierStore(), ranks=ranks)
+    except (CheckpointError, ObjectNotFoundError):
+        return None
+    if not await off_loop(_all_there, ckpt):  # a node that holds the manifests, not every file (DCP's coordinator)
+        return None
+    return ckpt
+
+
+def _all_there(ckpt: Checkpoint) -> bool:
+    for name, digest in ckpt.files.items():
         try:
-            data = await read_object(local, rank_key(meta_prefix(copy.key), marker.attempt, rank))
-        except ObjectNotFoundError:
-            return None
-        if digest_of(data) != marker.manifests[rank]:
-            return None
-    return await open_checkpoint_async(copy, config=config, store=local, ranks=None if ranks is None else wanted)
+            if digest is not None and os.path.getsize("/" + ckpt.file_key(name)) != digest.size:
+                return False
+        except FileNotFoundError:
+            return False
+    return True
 
 
 async def latest_across(parent: str | StorageURI, tier: Tier, config: TransferConfig | None = None) -> str | None:

@@ -22,8 +22,8 @@ from ..uri import StorageURI
 from .agent import ensure_agent
 from .layout import Tier, TierStore
 
-POLL_S = 0.1
-"""Seconds between looks at the durable marker while waiting for it."""
+POLL_S = (0.02, 1.0)
+"""First and longest pause between looks at the tier's queue while waiting for the durable commit."""
 
 
 async def commit_in_tier(tier: Tier, durable: StorageURI, write: Callable[[CheckpointWriter], Awaitable[None]],
@@ -55,31 +55,36 @@ async def save_to_tier(tier: Tier, durable: StorageURI, files: list[tuple[str, L
     return await commit_in_tier(tier, durable, write, rank, world_size, barrier, attempt, config)
 
 
-async def wait_durable(tier: Tier, durable: StorageURI, result: CommitResult, timeout: float | None,
+async def wait_durable(tier: Tier, durable: StorageURI, result: CommitResult, rank: int, timeout: float | None,
                        config: TransferConfig | None = None) -> CommitResult:
-    """Wait until the checkpoint of tier commit ``result`` is committed at ``durable``; its result there.
-    CheckpointError when an agent gave up on it (or another attempt committed there), TimeoutError after
-    ``timeout`` seconds. An agent that died meanwhile is started again."""
+    """Wait until the checkpoint of rank ``rank``'s tier commit ``result`` is committed at ``durable``; its result
+    there. The wait watches the tier's queue (the agent takes the rank's entry off once the checkpoint is committed
+    in the bucket), so a thousand waiting ranks cost the bucket one read each. CheckpointError when an agent gave up
+    on it (or another attempt committed there), TimeoutError after ``timeout`` seconds. An agent that died meanwhile
+    is started again."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    pause = POLL_S[0]
     async with store_for(durable, config or TransferConfig.from_env()) as store:
         while True:
             why = await off_loop(tier.failure, durable, result.attempt)
             if why is not None:
                 raise CheckpointError(f"the node agent could not drain {durable.raw} from tier {tier.root}: {why}")
-            try:
-                raw = await read_object(store, marker_key(durable.key))
-            except ObjectNotFoundError:
-                pass
-            else:
-                found = CommitMarker.decode(raw, marker_key(durable.key))
-                if found.attempt != result.attempt:
-                    raise CheckpointError(f"checkpoint {durable.raw} was committed by attempt {found.attempt!r}, "
-                                          f"not by this save's {result.attempt!r}")
-                return dataclasses.replace(result, uri=durable.raw)
+            queued = await off_loop(tier.queued, durable, rank)
+            if not queued:
+                try:
+                    raw = await read_object(store, marker_key(durable.key))
+                except ObjectNotFoundError:
+                    pass
+                else:
+                    found = CommitMarker.decode(raw, marker_key(durable.key))
+                    if found.attempt != result.attempt:
+                        raise CheckpointError(f"checkpoint {durable.raw} was committed by attempt "
+                                              f"{found.attempt!r}, not by this save's {result.attempt!r}")
+                    return dataclasses.replace(result, uri=durable.raw)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"checkpoint {durable.raw} is not committed yet (still draining from "
                                    f"tier {tier.root})")
-            if await off_loop(tier.pending):
+            if queued:
                 await off_loop(ensure_agent, tier)
-            await asyncio.sleep(POLL_S)
-
+            await asyncio.sleep(pause)
+            pause = min(POLL_S[1], pause * 1.5)

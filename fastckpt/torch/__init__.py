@@ -2,11 +2,14 @@
 
 ``save`` / ``async_save`` write each rank's state dict as one safetensors file and commit the checkpoint
 with the other ranks; ``load`` reads it back into tensors with parallel ranged reads, verified against the
-manifest. ``fastckpt.torch.dcp`` holds the ``torch.distributed.checkpoint`` storage plugin.
+manifest. With ``tier=``, saves commit into the node's tier and a node agent drains them (``fastckpt.tier``);
+``restore_tier`` brings a lost node's copies back from its peers. ``fastckpt.torch.dcp`` holds the
+``torch.distributed.checkpoint`` storage plugin.
 """
 
 from .load import load, load_async
 from .save import SaveHandle, async_save, rank_file, save
 from .staging import Staging
+from .tier_peers import restore_tier
 
-__all__ = ["SaveHandle", "Staging", "async_save", "load", "load_async", "rank_file", "save"]
+__all__ = ["SaveHandle", "Staging", "async_save", "load", "load_async", "rank_file", "restore_tier", "save"]

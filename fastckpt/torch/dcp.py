@@ -206,7 +206,7 @@ class Writer(_Location, StorageWriter):
         ``SaveHandle.wait``); its result there."""
         if self.tier is None or self.result is None:
             raise CheckpointError("wait_durable: no save into a tier was committed by this writer (coordinator)")
-        return _run(wait_durable(self.tier, self._target(), self.result, timeout))
+        return _run(wait_durable(self.tier, self._target(), self.result, 0, timeout))
 
     def storage_meta(self) -> dcp_meta.StorageMeta | None:
         return dcp_meta.StorageMeta(checkpoint_id=self.uri)

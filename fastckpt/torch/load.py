@@ -84,8 +84,8 @@ async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: s
         if near is not None:
             try:
                 return await _load(TierStore(), near, base, state_dict, device, rank, world_size, cfg, staging)
-            except ObjectNotFoundError as exc:  # dropped by the agent meanwhile: the durable copy serves
-                log.info("tier copy of %s gone while reading it (%s); reading %s", base.raw, exc, base.raw)
+            except (ObjectNotFoundError, IntegrityError) as exc:  # dropped or recycled under the read: the bucket's
+                log.info("tier copy of %s changed while reading it (%s); reading %s", base.raw, exc, base.raw)
     async with store_for(base, cfg) as store:
         if group is not None:
             from .group_load import load_in_group

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,7 +26,10 @@ from ..tier.save import save_to_tier, wait_durable
 from ..uri import parse_uri
 from .format import Header, build_header, flatten, split_large, with_state
 from .staging import Staging, byte_view, default_staging, distributed_defaults
+from .tier_peers import replica_group, replicate
 from .tier_staging import commit_staged, prepare_spares, stage_in_tier
+
+log = logging.getLogger("fastckpt")
 
 
 def rank_file(rank: int, part: str = "") -> str:
@@ -48,7 +53,7 @@ class SaveHandle:
     """An ``async_save`` in flight: ``wait()`` returns its commit result or raises what failed it."""
 
     def __init__(self, future: concurrent.futures.Future[CommitResult], blocked_s: float,
-                 tier: tuple[Tier, str] | None = None) -> None:
+                 tier: tuple[Tier, str, int] | None = None) -> None:
         self._future = future
         self._tier = tier
         self.blocked_s = blocked_s
@@ -69,8 +74,8 @@ class SaveHandle:
         if not durable or self._tier is None:
             return result
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
-        tier, uri = self._tier
-        return BackgroundLoop.get().run(wait_durable(tier, parse_uri(uri), result, left))
+        tier, uri, rank = self._tier
+        return BackgroundLoop.get().run(wait_durable(tier, parse_uri(uri), result, rank, left))
 
     def exception(self) -> BaseException | None:
         """The save's exception once it is done (None when it committed); waits for it to finish."""
@@ -79,8 +84,8 @@ class SaveHandle:
 
 def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int | None = None,
          barrier: Barrier | None = None, attempt: str | None = None, config: TransferConfig | None = None,
-         store: Store | None = None, base: str | None = None, tier: str | os.PathLike[str] | Tier | None = None
-         ) -> CommitResult:
+         store: Store | None = None, base: str | None = None, tier: str | os.PathLike[str] | Tier | None = None,
+         replicas: int = 0) -> CommitResult:
     """Save ``state_dict`` (this rank's share) to checkpoint ``uri`` and commit it with the other ranks.
 
     CPU tensors are uploaded straight from their memory (no copy, no local file); the call returns once
@@ -90,17 +95,17 @@ def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int 
     the save incremental: the tensors of 1 MiB and more go to a file of their own (``rank_files``), and a file or
     part of one that holds the same bytes as the base's is copied by the store, not sent (``CheckpointWriter``); the
     result's ``copied`` and ``sent`` say how much. ``tier`` (a directory on this node, or a ``Tier``): commit into
-    the tier and return; its node agent drains it to ``uri`` (see ``async_save``).
+    the tier and return; its node agent drains it to ``uri`` (see ``async_save``, also for ``replicas``).
     """
     rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
     skeleton, tensors = flatten(state_dict)
     if tier is not None or any(t.device.type != "cpu" for t in tensors.values()):
         return async_save(state_dict, uri, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
                           config=config, store=store, staging=None if tier else Staging(), base=base,
-                          tier=tier).wait()
+                          tier=tier, replicas=replicas).wait()
     files = [(name, Layout([header.raw] + [byte_view(tensors[n].detach().contiguous()) for n in header.tensors]))
              for name, header in rank_files(rank, skeleton, tensors, base is not None)]
-    place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, as_tier(tier, store, base))
+    place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, None)
     return BackgroundLoop.get().run(_commit(files, place))
 
 
@@ -108,7 +113,7 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
                barrier: Barrier | None = None, attempt: str | None = None, config: TransferConfig | None = None,
                store: Store | None = None, staging: Staging | None = None,
                if_busy: Literal["wait", "error"] = "wait", base: str | None = None,
-               tier: str | os.PathLike[str] | Tier | None = None) -> SaveHandle:
+               tier: str | os.PathLike[str] | Tier | None = None, replicas: int = 0) -> SaveHandle:
     """Copy ``state_dict``'s tensors into host staging memory, then upload and commit in the background.
 
     The caller is blocked only for the copies (device tensors: ``non_blocking`` into pinned memory, one
@@ -124,10 +129,12 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
     in. ``wait()`` returns once it is safe in the tier, ``wait(durable=True)`` once it is committed at ``uri``. CPU
     tensors are copied straight into the tier's files, whose pages are recycled save after save (the first save into
     a tier goes through ``staging`` and readies those files); device tensors go through ``staging``. ``config`` does
-    not reach the agent: it opens ``uri`` from the environment it was started in.
+    not reach the agent: it opens ``uri`` from the environment it was started in. ``replicas=1``: each rank's copy
+    also goes to the tier of the rank one node over (``tier_peers``), before ``wait()`` returns.
     """
     rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
     place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, as_tier(tier, store, base))
+    after = _replicas(place, replicas)
     started = time.perf_counter()
     skeleton, tensors = flatten(state_dict)
     headers = rank_files(rank, skeleton, tensors, base is not None)
@@ -137,17 +144,46 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
         staged = stage_in_tier(place.tier, place.tier.copy_of(target), headers, tensors)
         if staged is not None:
             coro = commit_staged(place.tier, target, staged, rank, world_size, barrier, attempt,
-                                 config or TransferConfig.from_env())
+                                 config or TransferConfig.from_env(), after)
             future = asyncio.run_coroutine_threadsafe(coro, BackgroundLoop.get().loop)
-            return SaveHandle(future, time.perf_counter() - started, (place.tier, uri))
+            return SaveHandle(future, time.perf_counter() - started, (place.tier, uri, rank))
         spares = [(name, h.size) for name, h in headers]
     staging = staging or default_staging(rank)
     with staging.claim(if_busy):
         data = staging.stage([h for _, h in headers], tensors)
         files = [(name, Layout([h.raw, d])) for (name, h), d in zip(headers, data, strict=True)]
-        future = asyncio.run_coroutine_threadsafe(_commit(files, place, spares), BackgroundLoop.get().loop)
+        future = asyncio.run_coroutine_threadsafe(_commit(files, place, spares, after), BackgroundLoop.get().loop)
         staging.track(future)
-    return SaveHandle(future, time.perf_counter() - started, None if place.tier is None else (place.tier, uri))
+    return SaveHandle(future, time.perf_counter() - started, None if place.tier is None else (place.tier, uri, rank))
+
+
+_readying: set[asyncio.Task[None]] = set()
+"""``prepare_spares`` running in the background (kept referenced until done)."""
+
+
+def _readied(task: asyncio.Task[None]) -> None:
+    _readying.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("could not ready tier files for the next save: %s", task.exception())
+
+
+def _replicas(place: _Place, replicas: int) -> Callable[[], Awaitable[None]] | None:
+    """What sends a tier save's replicas (``tier_peers.replicate``) once it is committed; None for none."""
+    if replicas not in (0, 1):
+        raise ValueError(f"replicas={replicas}: 0 or 1 peer replicas are supported")
+    if not replicas:
+        return None
+    if place.tier is None:
+        raise ValueError("replicas= goes with tier= (the replica lands in a peer node's tier)")
+    group, tier, target = replica_group(place.barrier), place.tier, parse_uri(place.uri)
+
+    async def after() -> None:
+        try:
+            await asyncio.to_thread(replicate, group, tier, target, place.rank, place.world_size)
+        except Exception as exc:  # the save is committed in this node's tier; the agent still drains it
+            log.warning("rank %d: the peer replica of %s failed: %s", place.rank, place.uri, exc)
+
+    return after
 
 
 def as_tier(tier: str | os.PathLike[str] | Tier | None, store: Store | None, base: str | None) -> Tier | None:
@@ -174,14 +210,18 @@ class _Place:
     tier: Tier | None
 
 
-async def _commit(files: list[tuple[str, Layout]], p: _Place, spares: list[tuple[str, int]] | None = None
-                  ) -> CommitResult:
-    """Commit ``files``; into a tier, then ready ``spares`` (name, size) for the next save (``prepare_spares``)."""
+async def _commit(files: list[tuple[str, Layout]], p: _Place, spares: list[tuple[str, int]] | None = None,
+                  after: Callable[[], Awaitable[None]] | None = None) -> CommitResult:
+    """Commit ``files``; into a tier, then ``after()`` (the replicas), and ready ``spares`` (name, size) for the next
+    save in the background (``prepare_spares``)."""
     target, cfg = parse_uri(p.uri), p.config or TransferConfig.from_env()
     if p.tier is not None:
         result = await save_to_tier(p.tier, target, files, p.rank, p.world_size, p.barrier, p.attempt, cfg)
-        if spares:
-            await off_loop(prepare_spares, p.tier, spares)
+        if after is not None:
+            await after()
+        if spares:  # after the result: the files are for the next save, not this one
+            _readying.add(task := asyncio.get_running_loop().create_task(off_loop(prepare_spares, p.tier, spares)))
+            task.add_done_callback(_readied)
         return result
     async with contextlib.AsyncExitStack() as stack:
         store = p.store

@@ -8,6 +8,7 @@ import contextlib
 import mmap
 import os
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -112,9 +113,10 @@ def discard(staged: list[Staged]) -> None:
 
 
 async def commit_staged(tier: Tier, durable: StorageURI, staged: list[Staged], rank: int, world_size: int,
-                        barrier: Barrier | None, attempt: str | None, config: TransferConfig) -> CommitResult:
+                        barrier: Barrier | None, attempt: str | None, config: TransferConfig,
+                        after: Callable[[], Awaitable[None]] | None = None) -> CommitResult:
     """Hash the staged files, publish them under their names and commit them in the tier with the other ranks
-    (``commit_in_tier``)."""
+    (``commit_in_tier``); then ``after()`` (the replicas)."""
     try:
         entries = []
         for s in staged:
@@ -129,7 +131,10 @@ async def commit_staged(tier: Tier, durable: StorageURI, staged: list[Staged], r
                 await off_loop(os.replace, s.tmp, s.final)
             writer.record_written(tuple(entries))
 
-        return await commit_in_tier(tier, durable, write, rank, world_size, barrier, attempt, config)
+        result = await commit_in_tier(tier, durable, write, rank, world_size, barrier, attempt, config)
+        if after is not None:
+            await after()
+        return result
     finally:
         for s in staged:
             s.area = None

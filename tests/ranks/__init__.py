@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import sys
 from collections.abc import Callable
 
 
@@ -21,3 +23,10 @@ def run_ranks(target: Callable[..., None], world: int, *args: object, timeout: f
     codes = [p.exitcode for p in procs]
     print("exit codes:", codes, flush=True)
     return codes
+
+
+def spec_main(rank_main: Callable[[int, dict], None], timeout: float = 120) -> int:
+    """``python -m tests.ranks.JOB SPEC_JSON``: ``rank_main(rank, spec)`` on ``spec["world"]`` ranks."""
+    spec = json.loads(sys.argv[1])
+    run_ranks(rank_main, spec["world"], spec, timeout=timeout)
+    return 0

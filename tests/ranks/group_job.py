@@ -26,7 +26,7 @@ import fastckpt.torch as ft
 from fastckpt import TransferConfig
 from fastckpt.checkpoint import group_download
 from fastckpt.torch.group_dcp import GroupRead
-from tests.ranks import run_ranks
+from tests.ranks import spec_main
 
 
 def rank_main(rank: int, spec: dict) -> None:
@@ -85,11 +85,5 @@ def dcp_load(uri: str, keys: list[str], group: object, config: TransferConfig) -
             "step": str(step)}
 
 
-def main() -> int:
-    spec = json.loads(sys.argv[1])
-    run_ranks(rank_main, spec["world"], spec, timeout=120)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(spec_main(rank_main))

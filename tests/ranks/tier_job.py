@@ -2,9 +2,10 @@
 SPEC_JSON``.
 
 Spec keys: uri (the durable checkpoint), world, port, tiers (one per rank: its node's tier), out, step, mode
-(``save``: ``async_save(..., tier=)`` and ``wait()``; ``load``: ``load(..., tier=)``), kill (save: each rank SIGKILLs
-itself as soon as ``wait()`` returned). Each rank records ``{out}/rank-N.json``: ``{"ok", "error", "sha"}`` (save: of
-the state it saved; load: of the state it loaded).
+(``save``: ``async_save(..., tier=, replicas=)`` and ``wait()``; ``load``: ``load(..., tier=)``; ``restore``:
+``restore_tier`` then ``load(..., tier=)``), replicas (save: 0 or 1), kill (save: each rank SIGKILLs itself as soon
+as ``wait()`` returned). Each rank records ``{out}/rank-N.json``: ``{"ok", "error", "sha", "received"}`` (save: of
+the state it saved; load and restore: of the state it loaded; restore: the ranks it received from peers).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 import fastckpt.torch as ft
-from tests.ranks import run_ranks
+from fastckpt.torch.tier_peers import restore_tier
+from tests.ranks import spec_main
 
 
 def state(step: int, rank: int) -> dict:
@@ -42,13 +44,15 @@ def digest(st: dict) -> str:
 def rank_main(rank: int, spec: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
     dist.init_process_group("gloo", rank=rank, world_size=spec["world"], timeout=timedelta(seconds=30))
-    record = {"ok": True, "error": "", "sha": ""}
+    record: dict = {"ok": True, "error": "", "sha": "", "received": []}
     try:
         if spec["mode"] == "save":
             st = state(spec["step"], rank)
             record["sha"] = digest(st)
-            ft.async_save(st, spec["uri"], tier=spec["tiers"][rank]).wait(timeout=60)
+            ft.async_save(st, spec["uri"], tier=spec["tiers"][rank], replicas=spec.get("replicas", 0)).wait(timeout=60)
         else:
+            if spec["mode"] == "restore":
+                record["received"] = restore_tier(spec["uri"], spec["tiers"][rank])
             record["sha"] = digest(ft.load(spec["uri"], rank=rank, tier=spec["tiers"][rank]))
     except Exception as exc:
         record.update(ok=False, error=f"{type(exc).__name__}: {exc}")
@@ -59,11 +63,5 @@ def rank_main(rank: int, spec: dict) -> None:
     dist.destroy_process_group()
 
 
-def main() -> int:
-    spec = json.loads(sys.argv[1])
-    run_ranks(rank_main, spec["world"], spec, timeout=120)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(spec_main(rank_main))

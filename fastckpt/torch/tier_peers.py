@@ -1,0 +1,177 @@
+"""Peer replicas of tier copies: with ``replicas=1`` each rank's committed tier copy also goes, over the job's gloo
+group, into the tier of the rank one node over (``LOCAL_WORLD_SIZE`` ranks on; 1 when unset), where that node's agent
+drains it too; ``restore_tier`` brings a lost node's copies back from its peers, so its ranks restore from memory, not
+from the bucket.
+
+A copy travels as a header (the rank, its manifest, the marker, its files' names and sizes) then each file's bytes,
+received straight into files of the receiving tier (``tier.spare``); the receiver checks the manifest against the
+marker and every chunk against the manifest before the files take their names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.barrier import Barrier
+from ..checkpoint.barrier_torch import TorchBarrier, gloo_group
+from ..checkpoint.manifest import CommitMarker, RankManifest, digest_of, marker_key, meta_prefix, rank_key
+from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError
+from ..integrity import hash_chunks
+from ..tier import Tier
+from ..tier.spare import claim
+from ..uri import StorageURI, parse_uri
+from .tier_staging import mapped
+
+TIMEOUT = timedelta(seconds=600)
+"""Longest wait for one transfer between peers."""
+
+
+def ranks_per_node() -> int:
+    """Ranks on each node (``LOCAL_WORLD_SIZE``, as torchrun sets it; 1 when unset)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def replica_group(barrier: Barrier | None) -> Any:
+    """The gloo group replicas travel on: the commit barrier's (a ``TorchBarrier``)."""
+    if not isinstance(barrier, TorchBarrier):
+        raise ValueError("replicas= needs the commit to run through torch.distributed (a TorchBarrier, the default "
+                         "when the process group is initialised)")
+    return barrier.gloo()
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def held_ranks(tier: Tier, durable: StorageURI) -> tuple[bytes | None, dict[int, bytes]]:
+    """The tier's copy of ``durable``: its marker, and the manifests of the ranks whose files it holds whole."""
+    copy = tier.copy_of(durable)
+    raw = _read("/" + marker_key(copy.key))
+    if raw is None:
+        return None, {}
+    marker = CommitMarker.decode(raw, copy.raw)
+    held = {}
+    for rank, want in enumerate(marker.manifests):
+        data = _read("/" + rank_key(meta_prefix(copy.key), marker.attempt, rank))
+        if data is None or digest_of(data) != want:
+            continue
+        files = RankManifest.decode(data, copy.raw).files
+        if all(os.path.exists("/" + copy.join(f.name)) and os.path.getsize("/" + copy.join(f.name)) == f.digest.size
+               for f in files):
+            held[rank] = data
+    return raw, held
+
+
+def send_copy(group: Any, dst: int, tier: Tier, durable: StorageURI, rank: int) -> list[Any]:
+    """Start sending stored rank ``rank``'s copy from ``tier`` to group rank ``dst``; the works to wait for."""
+    copy = tier.copy_of(durable)
+    marker, held = held_ranks(tier, durable)
+    if marker is None or rank not in held:
+        raise ObjectNotFoundError(f"tier {tier.root} holds no committed copy of rank {rank} of {durable.raw}")
+    files = [(f.name, f.digest.size) for f in RankManifest.decode(held[rank], copy.raw).files]
+    header = json.dumps({"rank": rank, "manifest": held[rank].decode(), "marker": marker.decode(),
+                         "files": files}).encode()
+    size = torch.tensor([len(header)], dtype=torch.int64)
+    works = [dist.isend(size, dst, group=group), dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8),
+                                                             dst, group=group)]
+    works += [dist.isend(mapped("/" + copy.join(name), n), dst, group=group) for name, n in files if n]
+    return works
+
+
+def recv_copy(group: Any, src: int, tier: Tier, durable: StorageURI) -> int:
+    """Receive a copy from group rank ``src`` into ``tier``, checked; the stored rank it is of."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.irecv(size, src, group=group).wait(TIMEOUT)
+    raw = torch.zeros(int(size.item()), dtype=torch.uint8)
+    dist.irecv(raw, src, group=group).wait(TIMEOUT)
+    header = json.loads(bytes(raw.numpy()))
+    rank, manifest, marker_raw = int(header["rank"]), header["manifest"].encode(), header["marker"].encode()
+    marker = CommitMarker.decode(marker_raw, f"marker from rank {src}")
+    if rank >= marker.world_size or digest_of(manifest) != marker.manifests[rank]:
+        raise IntegrityError(f"the copy of rank {rank} from rank {src}: its manifest is not the one its marker names")
+    entries = {f.name: f for f in RankManifest.decode(manifest, f"manifest from rank {src}").files}
+    copy = tier.copy_of(durable)
+    landed: list[tuple[str, str, torch.Tensor]] = []
+    try:
+        for name, n in header["files"]:
+            tmp = claim(tier.root, "/" + copy.join(name), int(n))
+            landed.append((name, tmp, mapped(tmp, int(n)) if n else torch.empty(0, dtype=torch.uint8)))
+        for _, _, area in landed:
+            if area.numel():
+                dist.irecv(area, src, group=group).wait(TIMEOUT)
+        for name, _, area in landed:
+            entry = entries[name]
+            got = hash_chunks(memoryview(area.numpy()), entry.digest.chunk_size) if area.numel() else []
+            if tuple(d.hex() for d in got) != entry.chunks:
+                raise IntegrityError(f"the copy of {name} from rank {src} does not match its manifest")
+        for name, tmp, _ in landed:
+            os.replace(tmp, "/" + copy.join(name))
+    finally:
+        for _, tmp, _ in landed:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    _write_whole("/" + rank_key(meta_prefix(copy.key), marker.attempt, rank), manifest)
+    if not os.path.exists("/" + marker_key(copy.key)):
+        _write_whole("/" + marker_key(copy.key), marker_raw)
+    return rank
+
+
+def _write_whole(path: str, data: bytes) -> None:
+    """Write ``path`` whole or not at all."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def replicate(group: Any, tier: Tier, durable: StorageURI, rank: int, world_size: int) -> int | None:
+    """Every rank: send this rank's committed tier copy to the rank one node over and receive the copy of the rank
+    one node back (queued for this node's agent too); the stored rank received (None on one node)."""
+    step = ranks_per_node()
+    if world_size <= step:
+        return None
+    works = send_copy(group, (rank + step) % world_size, tier, durable, rank)
+    got = recv_copy(group, (rank - step) % world_size, tier, durable)
+    for work in works:
+        work.wait(TIMEOUT)
+    marker = CommitMarker.decode(_read("/" + marker_key(tier.copy_of(durable).key)) or b"", durable.raw)
+    tier.enqueue(durable, marker.attempt, got, marker.committed_at)
+    return got
+
+
+def restore_tier(uri: str | StorageURI, tier: str | os.PathLike[str] | Tier, *, group: Any = None) -> list[int]:
+    """Every rank of ``group`` (default: the world) calls this after a restart: each rank whose node's tier lacks its
+    own rank's copy of committed checkpoint ``uri`` receives it from a rank whose tier holds it (a peer replica, see
+    ``async_save(replicas=)``), so that ``load(uri, tier=...)`` then reads it from memory. Returns the stored ranks
+    this rank received. A rank no peer holds is left to the bucket."""
+    durable = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
+    local = tier if isinstance(tier, Tier) else Tier(tier)
+    g = gloo_group(group)
+    me, world = dist.get_rank(g), dist.get_world_size(g)
+    marker, held = held_ranks(local, durable)
+    views: list[Any] = [None] * world
+    dist.all_gather_object(views, {"marker": digest_of(marker) if marker else None, "held": sorted(held)}, group=g)
+    markers = {v["marker"] for v in views if v["marker"]}
+    if len(markers) > 1:
+        raise CheckpointError(f"the ranks' tiers hold copies of different attempts of {durable.raw}; not restored")
+    plan = [(k, next(h for h, v in enumerate(views) if k in v["held"])) for k in range(world)
+            if k not in views[k]["held"] and any(k in v["held"] for v in views)]
+    received = []
+    for k, holder in plan:  # one transfer at a time, in the same order on every rank
+        if me == holder:
+            for work in send_copy(g, k, local, durable, k):
+                work.wait(TIMEOUT)
+        elif me == k:
+            received.append(recv_copy(g, holder, local, durable))
+    return received
