@@ -35,8 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def short_lived_agents(monkeypatch) -> None:
-    """Agents the tests start exit 3 s after their queue empties."""
+    """Agents the tests start exit 3 s after their queue empties; a peer's replica waits 1 s for its own node."""
     monkeypatch.setenv("FASTCKPT_AGENT_IDLE", "3")
+    monkeypatch.setenv("FASTCKPT_REPLICA_GRACE", "1")
 
 
 def committed(uri: str) -> bool:
@@ -264,8 +265,8 @@ def test_dcp_ranks_on_two_nodes_drain_and_adopt_the_marker(s3_uri: str, tmp_path
 def test_peer_replicas_restore_a_wiped_node_without_the_bucket(s3_uri: str, moto_server, tmp_path: Path) -> None:
     """``replicas=1``: each rank's copy also lands in the other node's tier. With the bucket unreachable, node 0's
     tier is wiped; after ``restore_tier`` both ranks load bit-exact from their tiers (rank 0's copy came back from
-    node 1). A checkpoint saved without replicas (drained before) has no peer copy: rank 0 reads it from the
-    bucket once the bucket is back."""
+    node 1); once the bucket is back, node 1's agent drains rank 0's replica as well and commits the checkpoint there.
+    A checkpoint saved without replicas (drained before) has no peer copy: rank 0 reads it from the bucket."""
     tiers = [str(tmp_path / "node-0"), str(tmp_path / "node-1")]
     with FaultProxy(urlsplit(moto_server.endpoint).port) as proxy:
         base = s3_uri.replace(moto_server.endpoint, proxy.url)
@@ -283,7 +284,9 @@ def test_peer_replicas_restore_a_wiped_node_without_the_bucket(s3_uri: str, moto
         restored = job(tmp_path, {"uri": with_replica, "world": 2, "tiers": tiers, "mode": "restore", "step": 8})
         assert [r["received"] for r in restored] == [[0], []], restored
         assert [r["sha"] for r in restored] == [digest(state(8, 0)), digest(state(8, 1))], restored
-        proxy.outage(0)
+        proxy.outage(0)  # node 0's agent and queue went with its tier: node 1's agent drains rank 0's replica too
+        wait_for(lambda: committed(below(s3_uri, "step-8")), what="step-8 committed from node 1's tier alone")
+        assert digest(ft.load(below(s3_uri, "step-8"), rank=0)) == digest(state(8, 0))
         again = job(tmp_path, {"uri": without, "world": 2, "tiers": tiers, "mode": "restore", "step": 9})
         assert [r["received"] for r in again] == [[], []], again
         assert [r["sha"] for r in again] == [digest(state(9, 0)), digest(state(9, 1))], again

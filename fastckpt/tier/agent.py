@@ -133,6 +133,8 @@ async def _serve(tier: Tier, idle: float, config: TransferConfig, fd: int) -> No
             except CheckpointError as exc:
                 tier.record_failure(path, None, exc)
                 continue
+            if entry.not_before > time.time():
+                continue
             running[path] = asyncio.create_task(_drain_entry(tier, path, entry, config, wait))
         for path in [p for p, t in running.items() if t.done()]:
             running.pop(path).result()

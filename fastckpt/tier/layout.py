@@ -59,6 +59,8 @@ class QueueEntry:
     attempt: str
     rank: int
     keep: int
+    not_before: float = 0.0
+    """Epoch seconds before which the agent leaves it alone (a peer's replica: its own node drains it first)."""
 
     def encode(self) -> bytes:
         """JSON bytes."""
@@ -69,7 +71,8 @@ class QueueEntry:
         """Parse a queue entry (CheckpointError naming ``where`` when it is not one)."""
         try:
             doc = json.loads(data)
-            return cls(str(doc["durable"]), str(doc["copy"]), str(doc["attempt"]), int(doc["rank"]), int(doc["keep"]))
+            return cls(str(doc["durable"]), str(doc["copy"]), str(doc["attempt"]), int(doc["rank"]), int(doc["keep"]),
+                       float(doc.get("not_before", 0.0)))
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"tier queue entry {where} is malformed: {exc}") from None
 
@@ -154,13 +157,14 @@ class Tier:
                                 f"raise its capacity, lower keep= (now {self.keep}), or let the agent drain older "
                                 "copies")
 
-    def enqueue(self, durable: StorageURI, attempt: str, rank: int, committed_at: float) -> None:
-        """Record rank ``rank``'s committed copy of ``durable`` and queue it for the agent."""
+    def enqueue(self, durable: StorageURI, attempt: str, rank: int, committed_at: float, delay: float = 0.0) -> None:
+        """Record rank ``rank``'s committed copy of ``durable`` and queue it for the agent (after ``delay`` seconds:
+        a peer's replica, drained here only if its own node has not committed the checkpoint by then)."""
         copy = self.copy_of(durable)
         cid = checkpoint_id(durable)
         record = {"durable": durable.uri(), "copy": "/" + copy.key, "attempt": attempt, "committed_at": committed_at}
         _write_new(os.path.join(self.copies_dir, f"{cid}.json"), json.dumps(record).encode())
-        entry = QueueEntry(durable.uri(), "/" + copy.key, attempt, rank, self.keep)
+        entry = QueueEntry(durable.uri(), "/" + copy.key, attempt, rank, self.keep, time.time() + delay)
         _write_new(os.path.join(self.queue_dir, f"{time.time_ns():020d}-{rank:05d}-{cid}.json"), entry.encode())
 
     def pending(self) -> list[str]:

@@ -1,7 +1,7 @@
 """Peer replicas of tier copies: with ``replicas=1`` each rank's committed tier copy also goes, over the job's gloo
-group, into the tier of the rank one node over (``LOCAL_WORLD_SIZE`` ranks on; 1 when unset), where that node's agent
-drains it too; ``restore_tier`` brings a lost node's copies back from its peers, so its ranks restore from memory, not
-from the bucket.
+group, into the tier of the rank one node over (``LOCAL_WORLD_SIZE`` ranks on; 1 when unset), whose agent drains it
+if the rank's own node has not committed the checkpoint ``FASTCKPT_REPLICA_GRACE`` seconds later; ``restore_tier``
+brings a lost node's copies back from its peers, so its ranks restore from memory, not from the bucket.
 
 A copy travels as a header (the rank, its manifest, the marker, its files' names and sizes) then each file's bytes,
 received straight into files of the receiving tier (``tier.spare``); the receiver checks the manifest against the
@@ -30,6 +30,9 @@ from .tier_staging import mapped
 
 TIMEOUT = timedelta(seconds=600)
 """Longest wait for one transfer between peers."""
+REPLICA_GRACE_S = float(os.environ.get("FASTCKPT_REPLICA_GRACE", 60))
+"""Seconds a peer's agent leaves a replica to its own node's agent before draining it itself (then it finds the
+checkpoint committed, one read, or the other node lost and drains the replica)."""
 
 
 def ranks_per_node() -> int:
@@ -146,7 +149,7 @@ def replicate(group: Any, tier: Tier, durable: StorageURI, rank: int, world_size
     for work in works:
         work.wait(TIMEOUT)
     marker = CommitMarker.decode(_read("/" + marker_key(tier.copy_of(durable).key)) or b"", durable.raw)
-    tier.enqueue(durable, marker.attempt, got, marker.committed_at)
+    tier.enqueue(durable, marker.attempt, got, marker.committed_at, REPLICA_GRACE_S)
     return got
 
 
