@@ -124,7 +124,8 @@ def rank_worker(spec: dict[str, Any], rank: int) -> dict[str, Any]:
             return time.perf_counter() - t0
 
         staging = ft.Staging()
-        staging.buffer(spec["bytes"] // spec["ranks"] + (16 << 20)).fill_(0)
+        if engine == "fastckpt":  # allocated once, as a trainer reuses it (tier saves use it for their first save)
+            staging.buffer(spec["bytes"] // spec["ranks"] + (16 << 20)).fill_(0)
         saves = []
         for step in range(1, spec["saves"] + 1):
             advance(state, step)

@@ -290,3 +290,21 @@ def test_peer_replicas_restore_a_wiped_node_without_the_bucket(s3_uri: str, moto
         again = job(tmp_path, {"uri": without, "world": 2, "tiers": tiers, "mode": "restore", "step": 9})
         assert [r["received"] for r in again] == [[], []], again
         assert [r["sha"] for r in again] == [digest(state(9, 0)), digest(state(9, 1))], again
+
+
+def test_agent_command_drains_and_reports(tmp_path: Path, capsys) -> None:
+    """``fastckpt agent DIR`` drains what is queued and exits once idle; ``--status`` reports the queue, failures and
+    copies without draining."""
+    from fastckpt.cli import main
+
+    run, tier = f"{tmp_path}/run", Tier(tmp_path / "tier")
+    ft.save(state(1, 0), f"{run}/step-1", tier=tier)
+    wait_for(lambda: agent_pid(tier) is None and not tier.pending(), what="the started agent")
+    assert main(["agent", tier.root, "--status", "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["served"], status["pending"], status["failed"]) == (False, 0, [])
+    assert status["copies"] == [f"{run}/step-1"]
+    tier.enqueue(fastckpt.uri.parse_uri(f"{run}/step-2"), "nope", 0, time.time())  # a copy that is not there
+    assert main(["agent", tier.root, "--idle", "0.2", "--json"]) == 0
+    ran = json.loads(capsys.readouterr().out)
+    assert ran["served"] and ran["pending"] == 0 and "is gone" in str(ran["failed"][0]["error"])

@@ -54,7 +54,10 @@ async def drain(entry: QueueEntry, store: Store, config: TransferConfig, upload:
     checkpoint is committed there (by whichever agent); the tier copy then holds the marker too."""
     copy, durable = parse_uri(entry.copy), parse_uri(entry.durable)
     local = TierStore()
-    marker, data, manifest = await read_copy(local, copy, entry.rank, entry.attempt)
+    try:
+        marker, data, manifest = await read_copy(local, copy, entry.rank, entry.attempt)
+    except ObjectNotFoundError as exc:  # nothing to wait for: the copy is not coming back
+        raise CheckpointError(f"tier copy {copy.raw} of rank {entry.rank} is gone ({exc})") from None
     if await _adopt(store, durable, local, copy, entry.attempt):
         return True
     if upload:

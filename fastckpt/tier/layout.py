@@ -85,6 +85,30 @@ def _write_new(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _free_bytes(root: str) -> int:
+    """Bytes ``root``'s filesystem can take; on tmpfs also what memory can hold (a tmpfs may be larger than the
+    memory left, and its pages are never reclaimed: past that, the kernel kills processes)."""
+    free = shutil.disk_usage(root).free
+    if _on_tmpfs(root):
+        with open("/proc/meminfo") as f:
+            info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)}
+        reserve = min(2 << 30, info.get("MemTotal", 0) // 10)
+        free = min(free, info.get("MemAvailable", free) - reserve)
+    return free
+
+
+def _on_tmpfs(path: str) -> bool:
+    """Whether ``path`` is on a tmpfs mount (Linux; False where that cannot be told)."""
+    best, fstype = "", ""
+    with contextlib.suppress(OSError), open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 2 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")) \
+                    and len(parts[1]) > len(best):
+                best, fstype = parts[1], parts[2]
+    return fstype == "tmpfs"
+
+
 def _bytes_below(path: str) -> int:
     total = 0
     for top, _, names in os.walk(path):
@@ -133,8 +157,8 @@ class Tier:
 
     def check_room(self, sizes: list[int]) -> None:
         """Make room for files of ``sizes`` bytes (dropping drained copies beyond the newest ``keep``, then spare
-        files no file of the save fits in, if need be), or TierFullError: a save that does not fit is refused, never
-        swapped out, and an undrained copy is never dropped."""
+        files no file of the save fits in, if need be), or TierFullError: a save that does not fit (in the filesystem,
+        in ``capacity``, and on tmpfs in the memory left) is refused, and an undrained copy is never dropped."""
         self.prune(self.keep)
         spare = sorted(spare_files(self.root), key=lambda ps: ps[1])
         fresh = 0
@@ -144,7 +168,7 @@ class Tier:
                 fresh += size
             else:
                 spare.remove(fit)
-        nbytes, free, data = sum(sizes), shutil.disk_usage(self.root).free, self.used()
+        nbytes, free, data = sum(sizes), _free_bytes(self.root), self.used()
         unused = sum(size for _, size in spare)
         if fresh > free or (self.capacity is not None and data + nbytes + unused > self.capacity):
             for path, size in spare:  # no file of this save fits in these

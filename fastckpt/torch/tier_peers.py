@@ -11,6 +11,7 @@ marker and every chunk against the manifest before the files take their names.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from datetime import timedelta
 from typing import Any
@@ -23,10 +24,12 @@ from ..checkpoint.barrier_torch import TorchBarrier, gloo_group
 from ..checkpoint.manifest import CommitMarker, RankManifest, digest_of, marker_key, meta_prefix, rank_key
 from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError
 from ..integrity import hash_chunks
-from ..tier import Tier
+from ..tier import Tier, TierFullError
 from ..tier.spare import claim
 from ..uri import StorageURI, parse_uri
 from .tier_staging import mapped
+
+log = logging.getLogger("fastckpt")
 
 TIMEOUT = timedelta(seconds=600)
 """Longest wait for one transfer between peers."""
@@ -75,29 +78,58 @@ def held_ranks(tier: Tier, durable: StorageURI) -> tuple[bytes | None, dict[int,
     return raw, held
 
 
-def send_copy(group: Any, dst: int, tier: Tier, durable: StorageURI, rank: int) -> list[Any]:
-    """Start sending stored rank ``rank``'s copy from ``tier`` to group rank ``dst``; the works to wait for."""
+def _outgoing(tier: Tier, durable: StorageURI, rank: int) -> tuple[bytes, list[tuple[str, int]]]:
+    """The header of stored rank ``rank``'s copy in ``tier`` (its manifest, the marker, its files) and its files."""
     copy = tier.copy_of(durable)
     marker, held = held_ranks(tier, durable)
     if marker is None or rank not in held:
         raise ObjectNotFoundError(f"tier {tier.root} holds no committed copy of rank {rank} of {durable.raw}")
     files = [(f.name, f.digest.size) for f in RankManifest.decode(held[rank], copy.raw).files]
-    header = json.dumps({"rank": rank, "manifest": held[rank].decode(), "marker": marker.decode(),
-                         "files": files}).encode()
+    return json.dumps({"rank": rank, "manifest": held[rank].decode(), "marker": marker.decode(),
+                       "files": files}).encode(), files
+
+
+def _send_header(group: Any, dst: int, header: bytes) -> list[Any]:
     size = torch.tensor([len(header)], dtype=torch.int64)
-    works = [dist.isend(size, dst, group=group), dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8),
-                                                             dst, group=group)]
-    works += [dist.isend(mapped("/" + copy.join(name), n), dst, group=group) for name, n in files if n]
-    return works
+    return [dist.isend(size, dst, group=group), dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8),
+                                                           dst, group=group)]
 
 
-def recv_copy(group: Any, src: int, tier: Tier, durable: StorageURI) -> int:
-    """Receive a copy from group rank ``src`` into ``tier``, checked; the stored rank it is of."""
+def _recv_header(group: Any, src: int) -> dict[str, Any]:
     size = torch.zeros(1, dtype=torch.int64)
     dist.irecv(size, src, group=group).wait(TIMEOUT)
     raw = torch.zeros(int(size.item()), dtype=torch.uint8)
     dist.irecv(raw, src, group=group).wait(TIMEOUT)
-    header = json.loads(bytes(raw.numpy()))
+    return dict(json.loads(bytes(raw.numpy())))
+
+
+def _accepts(tier: Tier, header: dict[str, Any]) -> bool:
+    """Whether ``tier`` has room for the copy ``header`` announces (else the copy is not sent: logged, not fatal)."""
+    try:
+        tier.check_room([int(n) for _, n in header["files"]])
+    except TierFullError as exc:
+        log.warning("no room for the copy of rank %s in tier %s: %s", header["rank"], tier.root, exc)
+        return False
+    return True
+
+
+def _answer(group: Any, peer: int, yes: bool) -> Any:
+    return dist.isend(torch.tensor([int(yes)], dtype=torch.int64), peer, group=group)
+
+
+def _answered(group: Any, peer: int) -> bool:
+    flag = torch.zeros(1, dtype=torch.int64)
+    dist.irecv(flag, peer, group=group).wait(TIMEOUT)
+    return bool(flag.item())
+
+
+def _send_files(group: Any, dst: int, tier: Tier, durable: StorageURI, files: list[tuple[str, int]]) -> list[Any]:
+    copy = tier.copy_of(durable)
+    return [dist.isend(mapped("/" + copy.join(name), n), dst, group=group) for name, n in files if n]
+
+
+def _recv_files(group: Any, src: int, tier: Tier, durable: StorageURI, header: dict[str, Any]) -> int:
+    """Receive the files ``header`` announces from group rank ``src`` into ``tier``, checked; the stored rank."""
     rank, manifest, marker_raw = int(header["rank"]), header["manifest"].encode(), header["marker"].encode()
     marker = CommitMarker.decode(marker_raw, f"marker from rank {src}")
     if rank >= marker.world_size or digest_of(manifest) != marker.manifests[rank]:
@@ -140,16 +172,25 @@ def _write_whole(path: str, data: bytes) -> None:
 
 def replicate(group: Any, tier: Tier, durable: StorageURI, rank: int, world_size: int) -> int | None:
     """Every rank: send this rank's committed tier copy to the rank one node over and receive the copy of the rank
-    one node back (queued for this node's agent too); the stored rank received (None on one node)."""
+    one node back (queued for this node's agent, after ``REPLICA_GRACE_S``), each only where the receiving tier has
+    room; the stored rank received (None: none, or one node)."""
     step = ranks_per_node()
     if world_size <= step:
         return None
-    works = send_copy(group, (rank + step) % world_size, tier, durable, rank)
-    got = recv_copy(group, (rank - step) % world_size, tier, durable)
+    dst, src = (rank + step) % world_size, (rank - step) % world_size
+    header, files = _outgoing(tier, durable, rank)
+    works = _send_header(group, dst, header)
+    incoming = _recv_header(group, src)
+    accept = _accepts(tier, incoming)
+    works.append(_answer(group, src, accept))
+    if _answered(group, dst):
+        works += _send_files(group, dst, tier, durable, files)
+    got = _recv_files(group, src, tier, durable, incoming) if accept else None
     for work in works:
         work.wait(TIMEOUT)
-    marker = CommitMarker.decode(_read("/" + marker_key(tier.copy_of(durable).key)) or b"", durable.raw)
-    tier.enqueue(durable, marker.attempt, got, marker.committed_at, REPLICA_GRACE_S)
+    if got is not None:
+        marker = CommitMarker.decode(incoming["marker"].encode(), durable.raw)
+        tier.enqueue(durable, marker.attempt, got, marker.committed_at, REPLICA_GRACE_S)
     return got
 
 
@@ -157,7 +198,7 @@ def restore_tier(uri: str | StorageURI, tier: str | os.PathLike[str] | Tier, *, 
     """Every rank of ``group`` (default: the world) calls this after a restart: each rank whose node's tier lacks its
     own rank's copy of committed checkpoint ``uri`` receives it from a rank whose tier holds it (a peer replica, see
     ``async_save(replicas=)``), so that ``load(uri, tier=...)`` then reads it from memory. Returns the stored ranks
-    this rank received. A rank no peer holds is left to the bucket."""
+    this rank received. A rank no peer holds, or whose tier has no room, is left to the bucket."""
     durable = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
     local = tier if isinstance(tier, Tier) else Tier(tier)
     g = gloo_group(group)
@@ -173,8 +214,16 @@ def restore_tier(uri: str | StorageURI, tier: str | os.PathLike[str] | Tier, *, 
     received = []
     for k, holder in plan:  # one transfer at a time, in the same order on every rank
         if me == holder:
-            for work in send_copy(g, k, local, durable, k):
+            header, files = _outgoing(local, durable, k)
+            works = _send_header(g, k, header)
+            if _answered(g, k):
+                works += _send_files(g, k, local, durable, files)
+            for work in works:
                 work.wait(TIMEOUT)
         elif me == k:
-            received.append(recv_copy(g, holder, local, durable))
+            incoming = _recv_header(g, holder)
+            accept = _accepts(local, incoming)
+            _answer(g, holder, accept).wait(TIMEOUT)
+            if accept:
+                received.append(_recv_files(g, holder, local, durable, incoming))
     return received
