@@ -40,7 +40,7 @@ RETRY_S = (1.0, 30.0)
 """First and longest pause before retrying a drain that failed for a reason that may pass."""
 DRAINS = 4
 """Queue entries drained at once."""
-COMMIT_POLL_S = (0.2, 5.0)
+COMMIT_POLL_S = (0.1, 1.0)
 """First and longest pause between looks at the durable store while other ranks' data is still missing."""
 COMMIT_WAIT_S = float(os.environ.get("FASTCKPT_AGENT_COMMIT_WAIT", 3600))
 """Seconds an agent waits for the other ranks' data before it gives up on a checkpoint (the copy is kept)."""

@@ -22,7 +22,7 @@ from ..uri import StorageURI
 from .agent import ensure_agent
 from .layout import Tier, TierStore
 
-POLL_S = (0.02, 1.0)
+POLL_S = (0.02, 0.25)
 """First and longest pause between looks at the tier's queue while waiting for the durable commit."""
 
 
