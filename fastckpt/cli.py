@@ -20,6 +20,8 @@ from .engine.progress import ProgressCallback
 from .engine.transfer import Transfer
 from .errors import FastckptError
 from .stores import open_store
+from .tier.agent import IDLE_S
+from .tier.layout import KEEP
 from .uri import parse_uri
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -216,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     agent = sub.add_parser("agent", parents=[common], help="drain a checkpoint tier to the durable store (the node "
                            "agent that saves with tier= start; runs until idle)")
     agent.add_argument("tier", help="the tier directory, e.g. /dev/shm/fastckpt")
-    agent.add_argument("--keep", type=int, default=2, help="committed copies kept once drained (default 2)")
-    agent.add_argument("--idle", type=float, default=60.0, help="seconds with nothing queued before exiting (60)")
+    agent.add_argument("--keep", type=int, default=KEEP, help=f"committed copies kept once drained ({KEEP})")
+    agent.add_argument("--idle", type=float, default=IDLE_S, help=f"seconds with nothing queued before exiting "
+                       f"({IDLE_S:g})")
     agent.add_argument("--status", action="store_true", help="only report the queue, failures and copies")
     agent.add_argument("--lock-fd", type=int, default=None, help=argparse.SUPPRESS)  # handed over by ensure_agent
     demo = sub.add_parser("demo", parents=[common], help="upload + download a synthetic checkpoint locally")

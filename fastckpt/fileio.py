@@ -35,6 +35,16 @@ def write_at(fd: int, offset: int, buf: memoryview) -> None:
         done += os.pwritev(fd, [buf[done:done + WRITE_SLICE]], offset + done)
 
 
+def write_whole(path: str, data: bytes) -> None:
+    """Write file ``path`` whole or not at all: a temporary file beside it (its directory made when missing),
+    renamed into place."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 def _check_offset(offset: int) -> None:
     if offset < 0:  # os.preadv/pwritev would use the file position instead
         raise ValueError(f"offset must be >= 0, got {offset}")

@@ -16,6 +16,7 @@ import json
 import os
 from collections.abc import Mapping
 
+from ..fileio import write_whole
 from ..stores.local import TMP_SUFFIX
 
 
@@ -68,11 +69,7 @@ class Journal:
         """Begin a fresh journal (header + ``fields``), replacing any older one."""
         self.header.update(fields)
         self.parts, self.resumed = {}, False
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(self.header, sort_keys=True) + "\n")
-        os.replace(tmp, self.path)
+        write_whole(self.path, (json.dumps(self.header, sort_keys=True) + "\n").encode())
 
     def record(self, index: int, **entry: str) -> None:
         """Note that part ``index`` is stored (one appended line)."""

@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from ..errors import CheckpointError
+from ..fileio import write_whole
 from ..stores.local import LocalStore
 from ..uri import StorageURI, parse_uri
 from .spare import retire, spare_files
@@ -75,14 +76,6 @@ class QueueEntry:
                        float(doc.get("not_before", 0.0)))
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"tier queue entry {where} is malformed: {exc}") from None
-
-
-def _write_new(path: str, data: bytes) -> None:
-    """Write ``path`` whole or not at all (a temporary file renamed into place)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def _free_bytes(root: str) -> int:
@@ -187,9 +180,9 @@ class Tier:
         copy = self.copy_of(durable)
         cid = checkpoint_id(durable)
         record = {"durable": durable.uri(), "copy": "/" + copy.key, "attempt": attempt, "committed_at": committed_at}
-        _write_new(os.path.join(self.copies_dir, f"{cid}.json"), json.dumps(record).encode())
+        write_whole(os.path.join(self.copies_dir, f"{cid}.json"), json.dumps(record).encode())
         entry = QueueEntry(durable.uri(), "/" + copy.key, attempt, rank, self.keep, time.time() + delay)
-        _write_new(os.path.join(self.queue_dir, f"{time.time_ns():020d}-{rank:05d}-{cid}.json"), entry.encode())
+        write_whole(os.path.join(self.queue_dir, f"{time.time_ns():020d}-{rank:05d}-{cid}.json"), entry.encode())
 
     def pending(self) -> list[str]:
         """Queue entry paths, oldest first."""
@@ -217,22 +210,16 @@ class Tier:
 
     def failure(self, durable: StorageURI, attempt: str) -> str | None:
         """Why the agent gave up draining ``durable``'s copy of ``attempt`` (None: it has not)."""
-        suffix = f"-{checkpoint_id(durable)}.json"
-        for name in sorted(os.listdir(self.failed_dir)):
-            if name.endswith(suffix):
-                with contextlib.suppress(OSError, ValueError):
-                    with open(os.path.join(self.failed_dir, name)) as f:
-                        doc = json.load(f)
-                    if doc.get("attempt") == attempt:
-                        return str(doc.get("error"))
-        return None
+        copy = "/" + self.copy_of(durable).key
+        return next((str(doc.get("error")) for doc in self.failures()
+                     if doc.get("attempt") == attempt and self._copy_named(doc) == copy), None)
 
     def record_failure(self, entry_path: str, entry: QueueEntry | None, error: BaseException) -> None:
         """The drain of ``entry`` (None: unreadable) gave up: say why, and take it off the queue (the copy stays)."""
         doc: dict[str, object] = {"error": f"{type(error).__name__}: {error}"}
         if entry is not None:
             doc.update(durable=entry.durable, attempt=entry.attempt, rank=entry.rank)
-        _write_new(os.path.join(self.failed_dir, os.path.basename(entry_path)), json.dumps(doc).encode())
+        write_whole(os.path.join(self.failed_dir, os.path.basename(entry_path)), json.dumps(doc).encode())
         with contextlib.suppress(FileNotFoundError):
             os.remove(entry_path)
 
@@ -273,11 +260,9 @@ class Tier:
         return dropped
 
     def _failed_copies(self) -> set[str]:
-        out = set()
-        for name in os.listdir(self.failed_dir):
-            with contextlib.suppress(OSError, ValueError):
-                with open(os.path.join(self.failed_dir, name)) as f:
-                    durable = json.load(f).get("durable")
-                if durable:
-                    out.add("/" + self.copy_of(durable).key)
-        return out
+        return {copy for doc in self.failures() if (copy := self._copy_named(doc)) is not None}
+
+    def _copy_named(self, record: dict[str, object]) -> str | None:
+        """The copy (path) a failure record names (None: an unreadable entry's record names none)."""
+        durable = record.get("durable")
+        return "/" + self.copy_of(str(durable)).key if durable else None

@@ -23,6 +23,7 @@ from ..checkpoint.barrier import Barrier
 from ..checkpoint.barrier_torch import TorchBarrier, gloo_group
 from ..checkpoint.manifest import CommitMarker, RankManifest, digest_of, marker_key, meta_prefix, rank_key
 from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError
+from ..fileio import write_whole
 from ..integrity import hash_chunks
 from ..tier import Tier, TierFullError
 from ..tier.spare import claim
@@ -155,19 +156,10 @@ def _recv_files(group: Any, src: int, tier: Tier, durable: StorageURI, header: d
         for _, tmp, _ in landed:
             if os.path.exists(tmp):
                 os.remove(tmp)
-    _write_whole("/" + rank_key(meta_prefix(copy.key), marker.attempt, rank), manifest)
+    write_whole("/" + rank_key(meta_prefix(copy.key), marker.attempt, rank), manifest)
     if not os.path.exists("/" + marker_key(copy.key)):
-        _write_whole("/" + marker_key(copy.key), marker_raw)
+        write_whole("/" + marker_key(copy.key), marker_raw)
     return rank
-
-
-def _write_whole(path: str, data: bytes) -> None:
-    """Write ``path`` whole or not at all."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def replicate(group: Any, tier: Tier, durable: StorageURI, rank: int, world_size: int) -> int | None:
