@@ -214,7 +214,7 @@ def test_agent_killed_mid_drain_is_resumed(s3_uri: str, moto_server, tmp_path: P
 
 def test_dcp_writer_and_reader_with_a_tier(tmp_path: Path) -> None:
     """``dcp.save`` through ``Writer(tier=)`` commits in the tier; ``wait_durable`` returns once the agent committed
-    it at the URI; ``Reader(tier=)`` reads the tier's copy while it holds every file, the URI once it is wiped."""
+    it at the URI; ``Reader(tier=)`` reads the tier's copy, the URI for a file damaged there and once it is wiped."""
     import torch.distributed.checkpoint as dcp
 
     from fastckpt.torch.dcp import Reader, Writer
@@ -226,17 +226,24 @@ def test_dcp_writer_and_reader_with_a_tier(tmp_path: Path) -> None:
     assert writer.result is not None and writer.result.uri.startswith(tier.root)
     assert writer.wait_durable(timeout=60).uri == uri and fastckpt.verify(uri).ok
 
-    def loaded() -> dict:
+    def loaded() -> dict[str, int]:
         into = {"w": torch.zeros_like(st["w"]), "b": torch.zeros_like(st["b"]), "step": -1, "rank": -1}
-        dcp.load(into, storage_reader=Reader(uri, tier=tier))
-        return into
+        reader = Reader(uri, tier=tier)
+        dcp.load(into, storage_reader=reader)
+        assert digest(into) == digest(st)
+        return reader.bytes_read
 
-    moved = tmp_path / "moved"
+    size = os.path.getsize(f"{uri}/rank-00000.distcp")
+    moved, copy = tmp_path / "moved", "/" + tier.copy_of(uri).join("rank-00000.distcp")
     shutil.move(f"{uri}/rank-00000.distcp", moved)
-    assert digest(loaded()) == digest(st)  # the tier's copy
+    assert loaded() == {"tier": size + os.path.getsize(f"{uri}/.metadata"), "uri": 0}  # the tier's copy
     shutil.move(moved, f"{uri}/rank-00000.distcp")
+    with open(copy, "r+b") as f:  # the tier's copy damaged: that file is read from the URI
+        f.seek(size // 2)
+        f.write(b"\xff" * 64)
+    assert loaded()["uri"] >= size // 2
     shutil.rmtree(tier.root)
-    assert digest(loaded()) == digest(st)  # the durable checkpoint
+    assert loaded()["tier"] == 0  # the durable checkpoint
     with pytest.raises(ValueError, match="tier= or group="):
         Reader(uri, tier=tier, group=object())
 
@@ -245,7 +252,7 @@ def test_dcp_writer_and_reader_with_a_tier(tmp_path: Path) -> None:
 def test_dcp_ranks_on_two_nodes_drain_and_adopt_the_marker(s3_uri: str, tmp_path: Path, monkeypatch) -> None:
     """Two ranks, each saving into its own node's tier through DCP: the coordinator's node commits in its tier, the
     other node's agent drains its rank and, once the coordinator's agent committed on moto, adopts the marker so its
-    copy is committed on that node too."""
+    copy is committed on that node too. A restart reads each rank's file from its node's tier (``dcp_job``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -13,6 +13,7 @@ from ..checkpoint.manifest import CommitMarker, marker_key
 from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..config import TransferConfig
 from ..errors import CheckpointError, ObjectNotFoundError
+from ..integrity import FileDigest
 from ..stores.base import Store
 from ..threads import off_loop
 from ..uri import StorageURI, parse_uri
@@ -26,31 +27,39 @@ async def _marker(store: Store, key: str) -> tuple[bytes, CommitMarker] | None:
     return None
 
 
+async def tier_checkpoint(durable: StorageURI, tier: Tier, ranks: Iterable[int] | None,
+                          config: TransferConfig | None = None) -> Checkpoint | None:
+    """``tier``'s copy of committed checkpoint ``durable`` opened for ``ranks`` (None: every rank): committed there,
+    with their manifests as the marker names them; its files may be elsewhere (``held_files``). None if not."""
+    copy = tier.copy_of(durable)
+    if not os.path.isdir("/" + copy.key):
+        return None
+    try:
+        return await open_checkpoint_async(copy, config=config, store=TierStore(), ranks=ranks)
+    except (CheckpointError, ObjectNotFoundError):
+        return None
+
+
+def held_files(files: dict[str, FileDigest | None], copy: StorageURI) -> set[str]:
+    """The names of ``files`` that the tier's copy ``copy`` holds at their recorded sizes (a DCP rank's node holds
+    its own rank's files; their bytes are checked against the digests when read)."""
+    held = set()
+    for name, digest in files.items():
+        with contextlib.suppress(FileNotFoundError):
+            if digest is not None and os.path.getsize("/" + copy.join(name)) == digest.size:
+                held.add(name)
+    return held
+
+
 async def nearest_copy(durable: str | StorageURI, tier: Tier, ranks: Iterable[int] | None,
                        config: TransferConfig | None = None) -> Checkpoint | None:
     """``tier``'s copy of committed checkpoint ``durable``, opened for ``ranks`` (None: every rank), when it holds
     every manifest and file they need; None when the durable store must serve the read."""
     uri = parse_uri(durable) if not isinstance(durable, StorageURI) else durable
-    copy = tier.copy_of(uri)
-    if not os.path.isdir("/" + copy.key):
-        return None
-    try:  # committed there, the manifests of ``ranks`` there and as the marker names them
-        ckpt = await open_checkpoint_async(copy, config=config, store=TierStore(), ranks=ranks)
-    except (CheckpointError, ObjectNotFoundError):
-        return None
-    if not await off_loop(_all_there, ckpt):  # a node that holds the manifests, not every file (DCP's coordinator)
+    ckpt = await tier_checkpoint(uri, tier, ranks, config)
+    if ckpt is None or len(await off_loop(held_files, ckpt.files, tier.copy_of(uri))) != len(ckpt.files):
         return None
     return ckpt
-
-
-def _all_there(ckpt: Checkpoint) -> bool:
-    for name, digest in ckpt.files.items():
-        try:
-            if digest is not None and os.path.getsize("/" + ckpt.file_key(name)) != digest.size:
-                return False
-        except FileNotFoundError:
-            return False
-    return True
 
 
 async def latest_across(parent: str | StorageURI, tier: Tier, config: TransferConfig | None = None) -> str | None:

@@ -5,10 +5,13 @@ any rank reading any part of any file (DCP reshards on load), every chunk read c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
+import logging
 import os
 import queue
 from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import torch
@@ -22,10 +25,13 @@ from ..checkpoint.group import GroupCall
 from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..config import TransferConfig
 from ..engine.layout import Layout, read_layout
+from ..engine.open_stores import store_for
 from ..engine.transfer import Transfer
-from ..errors import CheckpointError, IntegrityError
+from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError
 from ..tasks import gather_all
-from ..tier import Tier, nearest_copy
+from ..threads import off_loop
+from ..tier import Tier, held_files, tier_checkpoint
+from ..tier.layout import TierStore
 from .dcp_layout import Span
 from .dcp_location import METADATA, StoredItem, _done, _Location, _run
 from .group_dcp import GroupRead
@@ -34,6 +40,7 @@ GROUP_BYTES = 128 << 20
 """Largest span of one file read in one go on load (ranges closer than a chunk are read together)."""
 SPANS_AHEAD = 3
 """Spans read ahead of the one being handed to the planner (memory: about this many times GROUP_BYTES)."""
+log = logging.getLogger("fastckpt")
 
 
 
@@ -45,8 +52,9 @@ class Reader(_Location, StorageReader):
         """``group``: a ``torch.distributed`` process group whose ranks all load (usually DCP's own, e.g.
         ``dist.group.WORLD``); the checkpoint's metadata is then read once for the group, and each byte that
         several of its ranks need is read from storage once and sent to the others over the group. ``tier`` (this
-        node's tier directory, not with ``group``): read the tier's copy when it holds every file of the committed
-        checkpoint (verified against the same digests), else ``uri``."""
+        node's tier directory, not with ``group``): read each file from the tier's copy where it holds it (a DCP
+        rank's node holds its own rank's files; every chunk checked against the same digests), the others from
+        ``uri``; the manifests from the tier where the checkpoint is committed there."""
         super().__init__()
         if tier is not None and group is not None:
             raise ValueError("Reader takes tier= or group=, not both (each node's tier holds its own ranks' files)")
@@ -55,6 +63,10 @@ class Reader(_Location, StorageReader):
         self.tier = tier if tier is None or isinstance(tier, Tier) else Tier(tier)
         self._ckpt: Checkpoint | None = None
         self._storage: dict[dcp_meta.MetadataIndex, StoredItem] = {}
+        self._local: set[str] = set()
+        """The checkpoint's files this node's tier holds (read from there)."""
+        self.bytes_read = {"tier": 0, "uri": 0}
+        """Bytes this reader read from this node's tier and from ``uri`` (whole chunks, ``.metadata`` included)."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -75,20 +87,22 @@ class Reader(_Location, StorageReader):
         return metadata
 
     async def _metadata(self) -> tuple[Checkpoint, bytes]:
-        """The checkpoint (its manifests checked against the marker) and DCP's metadata bytes, verified."""
-        near = None if self.tier is None else await nearest_copy(self._target(), self.tier, None, self.config)
-        self._in_tier = near is not None
-        async with self._store() as (target, cfg, store):
-            self._ckpt = ckpt = near or await open_checkpoint_async(target, config=cfg, store=store)
-            if METADATA not in ckpt.files:
-                raise CheckpointError(f"{self.uri} is a fastckpt checkpoint, but not one written by dcp.save")
-            span = Span(METADATA, 0, self._digest(METADATA).size, [])
-            layout = span.layout()
-            transfer = Transfer(store, cfg)
-            try:
-                await self._read_span(transfer, span, layout)
-            finally:
-                transfer.close()
+        """The checkpoint (its manifests checked against the marker: this node's tier's when committed there, else the
+        URI's) and DCP's metadata bytes, verified; which of its files this node's tier holds (``_sources``)."""
+        target, cfg = self._target(), self.config or TransferConfig.from_env()
+        ckpt = None if self.tier is None else await tier_checkpoint(target, self.tier, None, cfg)
+        if ckpt is None:
+            async with store_for(target, cfg) as store:
+                ckpt = await open_checkpoint_async(target, config=cfg, store=store)
+        self._ckpt = ckpt
+        if self.tier is not None:
+            self._local = await off_loop(held_files, ckpt.files, self.tier.copy_of(target))
+        if METADATA not in ckpt.files:
+            raise CheckpointError(f"{self.uri} is a fastckpt checkpoint, but not one written by dcp.save")
+        span = Span(METADATA, 0, self._digest(METADATA).size, [])
+        layout = span.layout()
+        async with self._sources() as read_span:
+            await read_span(span, layout)
         return ckpt, bytes(layout.pieces(0, span.end)[0])
 
     async def _shared_metadata(self) -> tuple[Checkpoint, bytes]:
@@ -225,33 +239,65 @@ class Reader(_Location, StorageReader):
         """Read ``spans`` (each once a slot is free), every chunk checked against its recorded digest; each
         span, or the first failure, goes to ``arrived``."""
         try:
-            async with self._store() as (_, cfg, store):
-                transfer = Transfer(store, cfg)
+            async with self._sources() as read_span:
 
                 async def one(span: Span) -> None:
                     await slots.acquire()
                     layout = span.layout()
-                    await self._read_span(transfer, span, layout)
+                    await read_span(span, layout)
                     arrived.put((span, layout))
 
-                try:
-                    await gather_all(one(span) for span in spans)
-                finally:
-                    transfer.close()
+                await gather_all(one(span) for span in spans)
         except BaseException as exc:
             arrived.put(exc)
             raise
 
-    async def _read_span(self, transfer: Transfer, span: Span, layout: Layout) -> None:
+    @contextlib.asynccontextmanager
+    async def _sources(self) -> AsyncIterator[Callable[[Span, Layout], Awaitable[None]]]:
+        """How a span is read: from this node's tier where it holds the span's file (a DCP rank's node holds its own
+        rank's files), else from the URI, whose store is opened once a span needs it. A read or check that fails in
+        the tier (a copy dropped or recycled meanwhile) is done again from the URI, and the tier is not asked for
+        that file again."""
+        target, cfg = self._target(), self.config or TransferConfig.from_env()
+        copy = None if self.tier is None else self.tier.copy_of(target)
+        opened: list[Transfer] = []
+        opening = asyncio.Lock()
+        async with contextlib.AsyncExitStack() as stack:
+            local = Transfer(TierStore(), cfg)
+            stack.callback(local.close)
+
+            async def durable() -> Transfer:
+                async with opening:
+                    if not opened:
+                        opened.append(Transfer(await stack.enter_async_context(store_for(target, cfg)), cfg))
+                        stack.callback(opened[0].close)
+                return opened[0]
+
+            async def read_span(span: Span, layout: Layout) -> None:
+                if copy is not None and span.name in self._local:
+                    try:
+                        await self._read_span(local, copy.join(span.name), span, layout)
+                        self.bytes_read["tier"] += span.end - span.start
+                        return
+                    except (IntegrityError, ObjectNotFoundError, OSError) as exc:
+                        self._local.discard(span.name)
+                        log.info("%s: reading %s from the URI, not from tier %s: %s", self.uri, span.name,
+                                 copy.raw, exc)
+                await self._read_span(await durable(), target.join(span.name), span, layout)
+                self.bytes_read["uri"] += span.end - span.start
+
+            yield read_span
+
+    async def _read_span(self, transfer: Transfer, key: str, span: Span, layout: Layout) -> None:
+        """``span`` of the file at ``key`` in ``transfer``'s store into ``layout``, each chunk checked."""
         assert self._ckpt is not None
         digest, chunks = self._digest(span.name), self._ckpt.chunks.get(span.name)
         if chunks is None:
             raise CheckpointError(f"{self.uri}: {span.name} has no chunk digests recorded; not written by this plugin")
-        got = await read_layout(transfer, self._ckpt.file_key(span.name), span.start, layout, digest.chunk_size)
+        got = await read_layout(transfer, key, span.start, layout, digest.chunk_size)
         for i, d in enumerate(got, span.start // digest.chunk_size):
             if d.hex() != chunks[i]:
                 raise IntegrityError(f"{self.uri}/{span.name}: chunk {i} does not match its recorded digest")
-
 
 
 _SAFE = [dcp_meta.Metadata, dcp_meta.TensorStorageMetadata, dcp_meta.BytesStorageMetadata,

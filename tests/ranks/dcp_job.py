@@ -8,6 +8,8 @@ Modes:
 - ``crash``: rank 2 dies while uploading its share of ``URI/c``; ``resave``: ``URI/c`` saved and loaded.
 - ``incr``: DCP and ``fastckpt.torch`` saves with ``base="latest"`` (frozen weights copied, not sent), loaded after
   their bases are deleted.
+- ``tier``: each rank saves into its own node's tier (``TIER_ROOT/node-R``), the agents commit at ``URI/d``; a
+  restart reads each rank's own file from its node's tier.
 - ``ft``: ``fastckpt.torch`` async_save and load of each rank's own state (``URI/t``); ``ft-crash``: rank 2
   dies mid-upload of ``URI/u``.
 
@@ -30,6 +32,7 @@ import fastckpt.checkpoint.writer
 import fastckpt.torch as ft
 from fastckpt import open_store, parse_uri
 from fastckpt.config import TransferConfig
+from fastckpt.tier import Tier
 from fastckpt.torch.dcp import Reader, Writer
 from harness.uris import below
 from tests.ranks import run_ranks
@@ -113,6 +116,18 @@ def incremental_saves(rank: int, world: int, mesh, base: str) -> None:
     assert torch.equal(back["w"], frozen["w0"].to_local()) and int(back["step"]) == 2
 
 
+def restart_from_tiers(rank: int, mesh, uri: str, tier: str) -> None:
+    """A restart on the same nodes: each rank reads its own rank's file from its node's tier, what it needs of the
+    other ranks' files from the bucket."""
+    target = sharded({k: torch.zeros_like(v) for k, v in full_state(7).items()}, mesh, -1)
+    target["run"] = ""
+    reader = Reader(uri, tier=tier)
+    dcp.load(target, storage_reader=reader)
+    check(target, full_state(7), 70)
+    own = os.path.getsize(os.path.join(Tier(tier).copy_of(uri).raw, f"rank-{rank:05d}.distcp"))
+    assert reader.bytes_read["tier"] >= own, (own, reader.bytes_read)
+
+
 def rank_main(rank: int, mode: str, base: str, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -142,12 +157,14 @@ def rank_main(rank: int, mode: str, base: str, world: int, port: int) -> None:
         elif mode == "incr":  # frozen weights, trained adapters: the second save copies the weights' parts
             incremental_saves(rank, world, mesh, base)
         elif mode == "tier":  # every rank into its own node's tier; the agents drain and commit at the URI
-            writer = Writer(below(base, "d"), tier=os.path.join(os.environ["TIER_ROOT"], f"node-{rank}"))
+            tier = os.path.join(os.environ["TIER_ROOT"], f"node-{rank}")
+            writer = Writer(below(base, "d"), tier=tier)
             dcp.async_save(sharded(full_state(7), mesh, 70), storage_writer=writer).result()
             if rank == 0:
                 assert writer.wait_durable(timeout=120).uri == below(base, "d")
             dist.barrier()
             check(load_into(below(base, "d"), mesh, 7), full_state(7), 70)
+            restart_from_tiers(rank, mesh, below(base, "d"), tier)
         elif mode == "resave":
             dcp.save(sharded(full_state(4), mesh, 40), storage_writer=Writer(below(base, "c")))
             check(load_into(below(base, "c"), mesh, 4), full_state(4), 40)
