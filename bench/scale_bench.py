@@ -2,7 +2,7 @@
 shard by R = N / S of them, with ``group=`` (each byte from storage once, shared over the group) and without (every
 rank alone), through a proxy in front of the S3 gateway that counts what reaches the store.
 
-    python -m bench.scale_bench --size 512MiB --ranks 8 --replicas 1 2 4 8 [--api torch dcp] [--endpoint URL]
+    python -m bench.scale_bench --size 512MiB --ranks 8 --replicas 1 2 4 8 [--api torch dcp] [--rounds 3]
 
 ``--api torch``: S ranks' files saved with ``fastckpt.torch.save``, loaded with ``fastckpt.torch.load(rank=r % S)``;
 ``--api dcp``: one DCP checkpoint of S tensors (``shard{k}``) saved with the plugin's ``Writer``, each rank loading
@@ -21,6 +21,7 @@ import json
 import multiprocessing
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -147,6 +148,15 @@ def restore(endpoint: str, uri: str, ranks: int, shards: int, digests: list[str]
                 "exact": all(r["exact"] for r in records)}
 
 
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row of a configuration's runs: medians of the figures, exact only if every run was."""
+    row = dict(runs[0])
+    for key in ("store_bytes", "requests", "lists", "wall_s", "rss_mib"):
+        row[key] = statistics.median(r[key] for r in runs)
+    row["exact"], row["runs"] = all(r["exact"] for r in runs), len(runs)
+    return row
+
+
 def _free_port() -> int:
     import socket
 
@@ -163,6 +173,8 @@ def main() -> None:
     parser.add_argument("--api", nargs="*", default=["torch"], choices=["torch", "dcp"])
     parser.add_argument("--endpoint", help="an S3 endpoint to use instead of starting the JuiceFS gateway")
     parser.add_argument("--bucket", default="bench", help="the bucket (at --endpoint) the shards are saved in")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each restore, with and without group= in turn (medians reported)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     parser.add_argument("--launch", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -184,11 +196,12 @@ def main() -> None:
                 shards = args.ranks // replicas
                 uri = f"s3://{args.bucket}/scale-{os.getpid()}-{api}-{shards}?endpoint_override={endpoint}"
                 digests = (save_dcp if api == "dcp" else save_shards)(uri, size, shards)
-                for group in (True, False):
-                    row = {"shards": shards, "replicas": replicas,
-                           **restore(endpoint, uri, args.ranks, shards, digests, group, api, size)}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+                for i in range(args.rounds):
+                    for group in (True, False) if i % 2 == 0 else (False, True):
+                        runs[group].append(restore(endpoint, uri, args.ranks, shards, digests, group, api, size))
+                        print(json.dumps({"shards": shards, "replicas": replicas, **runs[group][-1]}), flush=True)
+                rows += [{"shards": shards, "replicas": replicas, **medians(runs[group])} for group in (True, False)]
     finally:
         if gateway is not None:
             gateway.stop()

@@ -53,7 +53,15 @@ def test_long_shared_ranges_are_cut_and_batched(monkeypatch: pytest.MonkeyPatch)
     segs = segments([[("a", 0, 32 * CHUNK)], [("a", 0, 32 * CHUNK)]], {"a": CHUNK})
     assert all(s.end - s.start == 4 * CHUNK for s in segs) and len(segs) == 8
     assert Counter(s.owner for s in segs) == {0: 4, 1: 4}
-    assert [len(b) for b in batches(segs)] == [2, 2, 2, 2]
+    assert [len(b) for b in batches(segs)] == [4, 4]  # each rank fetches BATCH bytes a round
+
+
+def test_every_rank_fetches_in_every_round_when_each_loads_its_own_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four ranks, a shard each (nothing shared): each round has a segment of every rank, none idle."""
+    monkeypatch.setattr(group_dcp, "SEGMENT", 2 * CHUNK)
+    monkeypatch.setattr(group_dcp, "BATCH", 2 * CHUNK)
+    rounds = batches(segments([[(f"s{r}", 0, 6 * CHUNK)] for r in range(4)], {f"s{r}": CHUNK for r in range(4)}))
+    assert [sorted(s.owner for s in batch) for batch in rounds] == [[0, 1, 2, 3]] * 3
 
 
 def test_batches_take_the_sets_of_ranks_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -770,6 +770,37 @@ async def test_a_bucket_in_another_region_is_followed_there(moto_server, tmp_pat
         await store.close()
 
 
+async def test_a_store_takes_what_another_learned_of_its_bucket(moto_server) -> None:
+    """A group read's other ranks take the bucket's region from rank 0's store (``learned`` / ``assume``) and make
+    no HeadBucket of their own; what another bucket's store learned is ignored."""
+    bucket = f"eu-{uuid.uuid4().hex[:8]}"
+    raw_client(moto_server).create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
+    raw_client(moto_server).put_object(Bucket=bucket, Key="p/o", Body=b"payload")
+    first, second, other = (open_store(moto_server.uri(b, "p"), small_config()) for b in (bucket, bucket, BUCKET))
+    try:
+        assert first.learned() == {}  # nothing asked yet
+        assert await first.get_range("p/o", 0, 7) == b"payload"
+        second.assume(first.learned())
+        other.assume(first.learned())
+        sent: list[tuple[str, str]] = []
+        for store in (second, other):
+            send = store.client._sign_and_send
+
+            async def recording(method, target, *args, _send=send, **kwargs):  # type: ignore[no-untyped-def]
+                sent.append((method, target))
+                return await _send(method, target, *args, **kwargs)
+
+            store.client._sign_and_send = recording
+        assert await second.get_range("p/o", 0, 7) == b"payload"
+        assert sent == [("GET", f"/{bucket}/p/o")] and (await second.client._data_path())[2].region == "eu-west-1"
+        with pytest.raises(ObjectNotFoundError):
+            await other.get_range("p/absent", 0, 1)
+        assert sent[1] == ("HEAD", f"/{BUCKET}/")  # its own bucket's region asked for as before
+    finally:
+        for store in (first, second, other):
+            await store.close()
+
+
 async def test_small_files_come_down_in_one_request_each(s3, tmp_path) -> None:
     """A directory of small objects: each object comes with its metadata in its GET, no HEAD per object."""
     store, uri = s3

@@ -12,12 +12,15 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
+from ..stores.base import Store
 from .barrier_torch import gloo_group
 
 T = TypeVar("T")
 CHUNK = 16 << 20
 """Bytes sent between ranks at once: each rank holds one such buffer (``chunk_buffer``), whatever the size of what
 they share."""
+STORE_LEARNED = "store learned"
+"""The key of a shared plan under which rank 0's store tells what it learned of its location."""
 
 
 def chunk_buffer() -> tuple[memoryview, torch.Tensor]:
@@ -55,6 +58,14 @@ class GroupCall:
         box = [value]
         await self.run(lambda: dist.broadcast_object_list(box, src=self.global_rank(0), group=self.gloo))
         return box[0]
+
+    async def share_plan(self, plan: dict[str, Any], store: Store) -> dict[str, Any]:
+        """Rank 0's ``plan`` on every rank, with what rank 0's ``store`` learned of its location (``Store.learned``:
+        the other ranks' stores take it, rather than each asking the store again)."""
+        shared = await self.share({**plan, STORE_LEARNED: store.learned()} if self.rank == 0 else plan)
+        if self.rank:
+            store.assume(shared.get(STORE_LEARNED) or {})
+        return shared
 
     async def gather(self, value: T) -> list[T]:
         """Every rank's ``value``, by rank, on every rank."""

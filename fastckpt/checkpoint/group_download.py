@@ -46,7 +46,7 @@ async def download_in_group(store: Store, base: StorageURI, cfg: TransferConfig,
             plan = {"files": await _plan(store, base, allow_uncommitted, call.size)}
         except Exception as exc:  # every rank raises it, once they have it
             plan = {"error": f"{type(exc).__name__}: {exc}"}
-    plan = await call.share(plan)
+    plan = await call.share_plan(plan, store)
     call.raise_first([plan.get("error")])  # rank 0's, known to every rank now
     files: list[Planned] = [tuple(f) for f in plan["files"]]  # type: ignore[misc]
     paths = dict(zip([f[0] for f in files], paths_below(dst, [f[0] for f in files]), strict=True))

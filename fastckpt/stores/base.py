@@ -167,6 +167,15 @@ class Store(abc.ABC):
     async def close(self) -> None:  # noqa: B027 - nothing to release by default
         """Release clients and connections."""
 
+    def learned(self) -> dict[str, Any]:
+        """What this store found out about its location with requests of its own (S3: the bucket's region), for
+        ``assume`` in another process that opens the same location; empty by default."""
+        return {}
+
+    def assume(self, learned: dict[str, Any]) -> None:  # noqa: B027 - nothing to learn by default
+        """Take what a store of the same location ``learned`` in another process (the root of a group read), so
+        that this one does not ask again; what does not match this location is ignored."""
+
     @abc.abstractmethod
     async def head(self, key: str) -> ObjectMeta:
         """Metadata of ``key``; ObjectNotFoundError when absent."""

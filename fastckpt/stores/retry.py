@@ -119,6 +119,12 @@ class RetryingStore(Store):
     def __repr__(self) -> str:
         return repr(self.inner)
 
+    def learned(self) -> dict[str, Any]:
+        return self.inner.learned()
+
+    def assume(self, learned: dict[str, Any]) -> None:
+        self.inner.assume(learned)
+
     @property
     def location(self) -> tuple[object, ...]:
         return self.inner.location

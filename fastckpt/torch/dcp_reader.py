@@ -115,7 +115,8 @@ class Reader(_Location, StorageReader):
                 shared = {"checkpoint": ckpt, "metadata": raw}
             except Exception as exc:
                 shared = {"error": f"{type(exc).__name__}: {exc}"}
-        shared = await call.share(shared)
+        async with self._store() as (_, _, store):
+            shared = await call.share_plan(shared, store)
         call.raise_first([shared.get("error")])
         return shared["checkpoint"], shared["metadata"]
 

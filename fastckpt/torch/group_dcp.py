@@ -7,7 +7,7 @@ and each file is cut at every rank's span boundaries into segments, each needed 
 its set with the fewest bytes to fetch so far, checked there against the manifest's chunk digests, and sent to the
 others of its set over the group's gloo twin, ``CHUNK`` bytes at a time, in one order every rank follows (none waits
 on one that waits on it); receivers check every chunk again. Bytes land in the spans' layouts, as when a rank reads
-alone (whole stored tensors straight into their destinations). Segments go in batches of about ``BATCH`` bytes, and a
+alone (whole stored tensors straight into their destinations). Segments go in rounds of about ``BATCH`` bytes a rank, and a
 rank hands a span to the planner as soon as all of its segments are in: memory stays at the spans being filled plus
 one ``CHUNK`` buffer. A failure on any rank fails every rank with the same error.
 """
@@ -34,8 +34,8 @@ from ..tasks import gather_all
 
 SEGMENT = 64 << 20
 """Longest segment: a range shared by several ranks is fetched by several of them, this much each at most."""
-BATCH = 256 << 20
-"""Bytes of segments fetched and exchanged in one round."""
+BATCH = 128 << 20
+"""Bytes of segments one rank fetches in one round (then the round's segments are exchanged)."""
 
 Span = tuple[str, int, int]
 """(file name, start, end) of a chunk-aligned range of one file."""
@@ -84,20 +84,21 @@ def segments(spans: list[list[Span]], chunk_sizes: dict[str, int]) -> list[Segme
 
 
 def batches(segs: list[Segment]) -> list[list[Segment]]:
-    """``segs`` in runs of about ``BATCH`` bytes, the segments of different sets of ranks taken in turn (each set in
-    file order), so that every run keeps as many ranks busy as there is work for."""
+    """``segs`` in rounds in which each rank fetches about ``BATCH`` bytes, the segments of different sets of ranks
+    taken in turn (each set in file order): every round keeps as many ranks fetching as there is work for (a round
+    of a fixed size overall left most ranks idle where each loads a shard of its own)."""
     by_set: dict[tuple[int, ...], list[Segment]] = defaultdict(list)
     for seg in segs:
         by_set[seg.needers].append(seg)
     turns = [seg for round_ in itertools.zip_longest(*by_set.values()) for seg in round_ if seg is not None]
     out: list[list[Segment]] = [[]]
-    size = 0
+    fetching: Counter[int] = Counter()
     for seg in turns:
-        if size >= BATCH:
+        if fetching[seg.owner] >= BATCH:
             out.append([])
-            size = 0
+            fetching.clear()
         out[-1].append(seg)
-        size += seg.end - seg.start
+        fetching[seg.owner] += seg.end - seg.start
     return out
 
 

@@ -53,7 +53,7 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
                     "files": {n: (d.size, d.chunk_size, d.digest) for n, d in ckpt.files.items() if d is not None}}
         except Exception as exc:
             plan = {"error": f"{type(exc).__name__}: {exc}"}
-    plan = await call.share(plan)
+    plan = await call.share_plan(plan, store)
     call.raise_first([plan.get("error")])  # rank 0's, known to every rank now
     files = {n: FileDigest(*v) for n, v in plan["files"].items()}
     names: list[str] = []

@@ -48,6 +48,8 @@ class S3Client:
         self._sdk_lock, self._path_lock = asyncio.Lock(), asyncio.Lock()
         self.bucket_ok = False
         """Whether the bucket is known to exist (a 404 then names the object, not the bucket)."""
+        self._region: str | None = None
+        """The bucket's region as another process found it (``assume``): no HeadBucket to find it again."""
 
     @property
     def sends_files(self) -> bool:
@@ -160,6 +162,18 @@ class S3Client:
                     await self._translating(self._start_data_path)
         return self._signing  # type: ignore[return-value]
 
+    def learned(self) -> dict[str, Any]:
+        """The bucket's region (and that it exists) once the data path found them; ``assume`` takes them."""
+        if self._signing is None:
+            return {}
+        return {"s3": (self.bucket, self.options.endpoint_url), "region": self._signing[2].region,
+                "bucket_ok": self.bucket_ok}
+
+    def assume(self, learned: dict[str, Any]) -> None:
+        """Start the data path from the region another process's client of this bucket ``learned``."""
+        if learned.get("s3") == (self.bucket, self.options.endpoint_url) and isinstance(learned.get("region"), str):
+            self._region, self.bucket_ok = learned["region"], self.bucket_ok or learned.get("bucket_ok") is True
+
     async def _start_data_path(self) -> None:
         opts = self.options
         credentials = None
@@ -171,15 +185,15 @@ class S3Client:
         if own_endpoint:
             endpoint = urlsplit(opts.endpoint_url)
             origin, path = f"{endpoint.scheme}://{endpoint.netloc}", f"{endpoint.path.rstrip('/')}/{self.bucket}/"
-            region = self._configured_region()
+            region = self._region or self._configured_region()
         else:
             client = await self.sdk()
-            region = await self._bucket_region(client) or client.meta.region_name
+            region = self._region or await self._bucket_region(client) or client.meta.region_name
             addressing = client if region == client.meta.region_name else await self._open_sdk(region)
             origin, path = await self._address(addressing)
         self.data.open(origin)
         self._signing = (path, credentials, S3Signer(self.data.client.host_header, region))
-        if own_endpoint:
+        if own_endpoint and self._region is None:
             await self._follow_bucket_region()
 
     async def _address(self, client: Any) -> tuple[str, str]:

@@ -52,6 +52,12 @@ class S3Store(DigestRecords, ReceivingStore):
     async def close(self) -> None:
         await self.client.close()
 
+    def learned(self) -> dict[str, Any]:
+        return self.client.learned()
+
+    def assume(self, learned: dict[str, Any]) -> None:
+        self.client.assume(learned)
+
     # ----------------------------------------------------------------------------- reads
 
     async def head(self, key: str) -> ObjectMeta:
