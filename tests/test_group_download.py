@@ -155,6 +155,40 @@ def test_a_corrupt_state_fails_every_loading_rank(tmp_path: Path) -> None:
     assert "differ from the manifest" in errors.pop()
 
 
+def test_each_rank_loading_a_shard_of_its_own(tmp_path: Path) -> None:
+    """Each rank of the group loads its own stored rank's state (nothing shared: each reads its file alone) and gets
+    it bit-exact; one rank's damaged file fails every rank with the same error."""
+    import threading
+
+    torch = pytest.importorskip("torch")
+    import fastckpt.torch as ft
+
+    uri, barrier, want = f"file://{tmp_path}/store/shards", fastckpt.InProcessBarrier(timeout=60), {}
+
+    def save(r: int) -> None:
+        state = {"shard": torch.randn(512, 1024, generator=torch.Generator().manual_seed(r)), "rank": torch.tensor(r)}
+        want[r] = {k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                   for k, v in state.items()}
+        ft.save(state, uri, rank=r, world_size=WORLD, barrier=barrier,
+                config=fastckpt.TransferConfig(part_size=1 << 20))
+
+    threads = [threading.Thread(target=save, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    records = job(tmp_path, uri, mode="own")
+    assert [r["files"] for r in records] == [want[r] for r in range(WORLD)], [r["error"] for r in records]
+    victim = tmp_path / "store/shards/rank-00001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    records = job(tmp_path, uri, mode="own")
+    errors = {r["error"] for r in records}
+    assert len(errors) == 1 and not any(r["ok"] for r in records), errors
+    assert "on rank 1" in (error := errors.pop()) and "rank-00001.safetensors" in error, error
+
+
 DCP_SHAPES = {"embed": (1024, 768), "head": (768, 512), "norm": (4096,)}
 
 

@@ -7,9 +7,9 @@ and each file is cut at every rank's span boundaries into segments, each needed 
 its set with the fewest bytes to fetch so far, checked there against the manifest's chunk digests, and sent to the
 others of its set over the group's gloo twin, ``CHUNK`` bytes at a time, in one order every rank follows (none waits
 on one that waits on it); receivers check every chunk again. Bytes land in the spans' layouts, as when a rank reads
-alone (whole stored tensors straight into their destinations). Segments go in rounds of about ``BATCH`` bytes a rank, and a
-rank hands a span to the planner as soon as all of its segments are in: memory stays at the spans being filled plus
-one ``CHUNK`` buffer. A failure on any rank fails every rank with the same error.
+alone (whole stored tensors straight into their destinations). Segments go in rounds in which each rank fetches about
+``BATCH`` bytes, and a rank hands a span to the planner as soon as all of its segments are in: memory stays at the
+spans being filled plus one ``CHUNK`` buffer. A failure on any rank fails every rank with the same error.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ several ranks load is cut at its chunk boundaries into one range per such rank; 
 one of them, straight into its own tensors, and checked there against the manifest's chunk digests, then sent to the
 others over the group (gloo point to point, 16 MiB at a time, in one order every rank follows, so none waits on
 another that waits on it). Every rank checks its whole file's digest before its state is returned; a failure on any
-rank fails every rank with the same error. Tensors on a device are received on the host, then copied.
+rank fails every rank with the same error. Tensors on a device are received on the host, then copied. Where no file
+is loaded by two ranks (each rank a shard of its own), each reads its files as it would alone, and the ranks agree on
+the outcome.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..integrity import ChunkHasher, FileDigest
 from ..stores.base import Store
 from ..uri import StorageURI
 from .format import Header, flatten, parse_header, state_of
-from .load import Target, check_given, destinations, file_layout, header_bytes, state_files
+from .load import Target, check_given, destinations, file_layout, header_bytes, load_file, state_files
 
 Range = tuple[int, int, int]
 """(start, end, owner rank) of a part of one file."""
@@ -63,14 +65,18 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
     except CheckpointError as exc:
         error = str(exc)
     await call.agree(error)
-    counts = await call.gather(len(names))
-    call.raise_first([None if len(set(counts)) == 1 else
-                      f"checkpoint {base.raw}: the ranks' states are in {sorted(set(counts))} files (saved "
+    everyone = await call.gather(names)
+    counts = {len(n) for n in everyone}
+    call.raise_first([None if len(counts) == 1 else
+                      f"checkpoint {base.raw}: the ranks' states are in {sorted(counts)} files (saved "
                       "incrementally and not), so they cannot be loaded together"])
     given = flatten(state_dict)[1] if state_dict is not None else {}
     loaded: dict[str, torch.Tensor] = {}
-    for name in names:
-        header = await _load_file(call, plan, files, name, base, cfg, store, given, device, loaded)
+    if len({n for mine in everyone for n in mine}) == sum(len(mine) for mine in everyone):
+        header = await _load_own(call, files, names, base, cfg, store, given, device, loaded)
+    else:
+        for name in names:
+            header = await _load_file(call, plan, files, name, base, cfg, store, given, device, loaded)
     what = f"{base.raw}/{names[-1]}"
     missing = None
     try:
@@ -79,6 +85,24 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
         missing = str(exc)
     await call.agree(missing)
     return state_of(header, loaded, what)
+
+
+async def _load_own(call: GroupCall, files: dict[str, FileDigest], names: list[str], base: StorageURI,
+                    cfg: TransferConfig, store: Store, given: dict[str, torch.Tensor],
+                    device: str | torch.device | None, loaded: dict[str, torch.Tensor]) -> Header:
+    """Where no file is loaded by two ranks (each rank a shard of its own), nothing is shared: each rank reads its
+    own files as it would alone, then the ranks agree on the outcome. The last file's header is returned."""
+    transfer, error = Transfer(store, cfg), None
+    try:
+        for name in names:
+            header = await load_file(transfer, base.join(name), files[name], f"{base.raw}/{name}", given, device,
+                                     None, loaded)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        transfer.close()
+    await call.agree(error)
+    return header
 
 
 async def _load_file(call: GroupCall, plan: dict[str, Any], files: dict[str, FileDigest], name: str,

@@ -103,25 +103,33 @@ async def _load(store: Store, ckpt: Checkpoint, base: StorageURI, state_dict: An
     transfer = Transfer(store, cfg)
     try:
         for name, digest in state_files(ckpt.info.world_size or 1, ckpt.files, base, rank, world_size):
-            key, what = ckpt.file_key(name), f"{base.raw}/{name}"
-            header = parse_header(await header_bytes(transfer, key, digest.size, what), digest.size, what)
-            if header.size != digest.size:
-                raise CheckpointError(f"{what}: header describes {header.size} bytes, the manifest {digest.size}")
-            targets = destinations(header, given, torch.device(device or "cpu"), what)
-            staged = staging is not None or any(t.dest.device.type != "cpu" for t in targets)
-            if staged:
-                chunks = await _read_staged(transfer, key, header, targets, digest, staging or Staging(256 << 20))
-            else:
-                chunks = await _read_direct(transfer, key, header, targets, digest)
-            digest.check(chunks, what)
-            for t in targets:
-                if t.bounce is not None:
-                    t.tensor.copy_(t.bounce)
-            loaded.update((t.entry.name, t.tensor) for t in targets)
+            what = f"{base.raw}/{name}"
+            header = await load_file(transfer, ckpt.file_key(name), digest, what, given, device, staging, loaded)
     finally:
         transfer.close()
-    check_given(given, loaded, f"{base.raw}/{name}")
+    check_given(given, loaded, what)
     return state_of(header, loaded, what)
+
+
+async def load_file(transfer: Transfer, key: str, digest: FileDigest, what: str, given: dict[str, torch.Tensor],
+                    device: str | torch.device | None, staging: Staging | None, loaded: dict[str, torch.Tensor]
+                    ) -> Header:
+    """The tensors of file ``key`` (``what`` in errors) into ``loaded`` by name (into ``given``'s where it has them),
+    every chunk checked against ``digest``; the file's header."""
+    header = parse_header(await header_bytes(transfer, key, digest.size, what), digest.size, what)
+    if header.size != digest.size:
+        raise CheckpointError(f"{what}: header describes {header.size} bytes, the manifest {digest.size}")
+    targets = destinations(header, given, torch.device(device or "cpu"), what)
+    if staging is not None or any(t.dest.device.type != "cpu" for t in targets):
+        chunks = await _read_staged(transfer, key, header, targets, digest, staging or Staging(256 << 20))
+    else:
+        chunks = await _read_direct(transfer, key, header, targets, digest)
+    digest.check(chunks, what)
+    for t in targets:
+        if t.bounce is not None:
+            t.tensor.copy_(t.bounce)
+    loaded.update((t.entry.name, t.tensor) for t in targets)
+    return header
 
 
 async def header_bytes(transfer: Transfer, key: str, size: int, what: str) -> bytes:
