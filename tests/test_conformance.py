@@ -82,6 +82,23 @@ async def test_uri_round_trip(store, name: str) -> None:
         assert await again.get_range(parsed.key, 0, 100) == b"round trip"
 
 
+async def test_a_store_taking_what_another_learned_works_alike(store) -> None:
+    """``learned`` / ``assume`` (a group read's root hands its store's findings to the other ranks): a store of the
+    same location that takes what this one learned reads, lists and writes as this one does."""
+    s, uri = store
+    await s.put(uri.join("learn/a"), b"learned")
+    learned = s.learned()
+    assert isinstance(learned, dict)
+    async with open_store(parse_uri(s.uri(uri.join("learn"))), small_config()) as again:
+        again.assume(learned)
+        assert await again.get_range(uri.join("learn/a"), 0, 7) == b"learned"
+        assert [m.key async for m in again.list(uri.join("learn"))] == [uri.join("learn/a")]
+        await again.put(uri.join("learn/b"), b"too")
+        with pytest.raises(ObjectNotFoundError):
+            await again.head(uri.join("learn/absent"))
+    assert await s.get_range(uri.join("learn/b"), 0, 3) == b"too"
+
+
 async def test_list_and_list_dir(store) -> None:
     s, uri = store
     for key in ["a/1", "a/2", "a/sub/3", "ab/4", "b"]:
