@@ -10,12 +10,15 @@ split over ``--ranks`` gloo processes) is bf16 tensors of 64 MiB. Each save job 
 safe in the tier (``wait()``), until committed in the durable store, against a bare ``copy_()`` of the same tensors
 into memory allocated once, timed just before each save. Engines: ``fastckpt-tier`` (``async_save(..., tier=)``),
 ``fastckpt`` (``async_save`` to S3), ``dcp-async`` (``dcp.async_save`` through ``fastckpt.torch.dcp.Writer``),
-``fastckpt-tier-peer`` (``async_save(..., tier=, replicas=1)``: each rank's copy also sent to the other node's tier).
+``fastckpt-tier-peer`` (``async_save(..., tier=, replicas=1)``: each rank's copy also sent to the other node's tier),
+``dcp-tier`` (``dcp.async_save`` through ``Writer(uri, tier=)``, committed on the coordinator's node, durable once
+``wait_durable()`` returned there).
 
 Restores (each rank in its own process, the page cache written back and dropped first: cold): (b) a restart on the
 same node (``load(..., tier=)``, served by the tier), (c) a node whose tier was wiped (the same call, served by the
 durable store), today's ``load`` from S3 and ``dcp.load`` through fastckpt's ``Reader``; after ``fastckpt-tier-peer``
-saves, node 0's tier wiped and ``restore_tier`` + ``load(..., tier=)`` (rank 0's copy from node 1's tier). (a)
+saves, node 0's tier wiped and ``restore_tier`` + ``load(..., tier=)`` (rank 0's copy from node 1's tier); after
+``dcp-tier`` saves, ``dcp.load`` through ``Reader(uri, tier=)`` (each rank's file from its node's tier). (a)
 ``--kills`` times: a save job whose ranks SIGKILL themselves as soon as ``wait()`` returned; the checkpoint must then
 be committed by the agents and load bit-exact from the durable store (lost otherwise), and the restore from the tier
 is timed.
@@ -43,7 +46,7 @@ if REPO not in sys.path:
 from bench.juicefs import JuiceFSGateway, delete_prefix  # noqa: E402
 from bench.state_bench import BUCKET, s3_env  # noqa: E402
 
-ENGINES = ["fastckpt-tier", "fastckpt", "dcp-async", "fastckpt-tier-peer"]
+ENGINES = ["fastckpt-tier", "fastckpt", "dcp-async", "fastckpt-tier-peer", "dcp-tier"]
 TENSOR = 64 << 20
 
 
@@ -144,6 +147,15 @@ def rank_worker(spec: dict[str, Any], rank: int) -> dict[str, Any]:
                 blocked = time.perf_counter() - t0
                 h.wait()
                 safe = None
+            elif engine == "dcp-tier":
+                writer = Writer(uri, tier=tier)
+                future = dcp.async_save(state, storage_writer=writer)
+                blocked = time.perf_counter() - t0
+                future.result()
+                safe = time.perf_counter() - t0
+                if rank == 0:
+                    writer.wait_durable(timeout=600)
+                dist.barrier()
             else:
                 future = dcp.async_save(state, storage_writer=Writer(uri))
                 blocked = time.perf_counter() - t0
@@ -168,8 +180,10 @@ def rank_worker(spec: dict[str, Any], rank: int) -> dict[str, Any]:
         del state
         uri = uri_of(spec, spec["name"])
         t0 = time.perf_counter()
-        if engine == "dcp":
-            dcp.load(into, storage_reader=Reader(uri))
+        if engine in ("dcp", "dcp-tier"):
+            reader = Reader(uri, tier=tier if engine == "dcp-tier" else None)
+            dcp.load(into, storage_reader=reader)
+            out["bytes_read"] = reader.bytes_read
         elif engine == "restore":
             out["received"] = ft.restore_tier(uri, tier)
             into = ft.load(uri, rank=rank, state_dict=into, tier=tier)
@@ -277,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
                     settle()
                     loads += [{"how": "DCP Reader (S3)", **r} for r in run_job(
                         {**base, "mode": "load", "engine": "dcp", "name": f"{name}/step-{args.saves}",
+                         "step": args.saves}, env)]
+                if engine == "dcp-tier":
+                    settle()
+                    loads += [{"how": "DCP Reader(tier=), same nodes", **r} for r in run_job(
+                        {**base, "mode": "load", "engine": "dcp-tier", "name": f"{name}/step-{args.saves}",
                          "step": args.saves}, env)]
                 delete_prefix(client, BUCKET, name)
         for i in range(args.kills):
