@@ -248,6 +248,30 @@ def test_dcp_writer_and_reader_with_a_tier(tmp_path: Path) -> None:
         Reader(uri, tier=tier, group=object())
 
 
+def test_dcp_saves_recycle_the_tiers_files(tmp_path: Path) -> None:
+    """DCP saves into a tier with keep=1 write into the files of the copy two saves back once it is drained, as
+    ``ft.async_save`` does; every checkpoint stays bit-exact."""
+    import torch.distributed.checkpoint as dcp
+
+    from fastckpt.torch.dcp import Reader, Writer
+
+    run, tier = f"{tmp_path}/run", Tier(tmp_path / "tier", keep=1)
+    inodes = []
+    for step in (1, 2, 3):
+        writer = Writer(f"{run}/step-{step}", tier=tier)
+        dcp.save(state(step, 0), storage_writer=writer)
+        writer.wait_durable(timeout=60)
+        inodes.append(os.stat(f"{tier.copy_of(f'{run}/step-{step}').raw}/rank-00000.distcp").st_ino)
+        if step == 2:
+            wait_for(lambda: spare_files(tier.root), what="the first copy's file made spare")
+    assert inodes[2] == inodes[0] != inodes[1]
+    for step in (1, 2, 3):
+        into = {"w": torch.zeros_like(state(step, 0)["w"]), "b": torch.zeros_like(state(step, 0)["b"]), "step": -1,
+                "rank": -1}
+        dcp.load(into, storage_reader=Reader(f"{run}/step-{step}", tier=tier))
+        assert digest(into) == digest(state(step, 0)) and fastckpt.verify(f"{run}/step-{step}").ok
+
+
 @pytest.mark.slow
 def test_dcp_ranks_on_two_nodes_drain_and_adopt_the_marker(s3_uri: str, tmp_path: Path, monkeypatch) -> None:
     """Two ranks, each saving into its own node's tier through DCP: the coordinator's node commits in its tier, the

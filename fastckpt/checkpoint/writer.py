@@ -272,8 +272,9 @@ class CheckpointWriter(Commit):
                 self._entries.pop(n, None)
 
     def record_written(self, entries: tuple[FileEntry, ...], copied: int = 0) -> None:
-        """Count files this rank wrote through an earlier writer of the same attempt that handed off (``copied``
-        of their bytes by the store; the commit still checks that each holds what ``entries`` record)."""
+        """Count files this rank wrote other than through this writer (through an earlier writer of the same attempt
+        that handed off, or straight into a tier's files), ``copied`` of their bytes by the store; the commit still
+        checks that each holds what ``entries`` record."""
         self._handed_copied += copied
         for entry in entries:
             self._reserve(entry.name)

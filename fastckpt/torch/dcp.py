@@ -46,6 +46,7 @@ from .dcp_layout import rank_file, rank_files
 from .dcp_location import METADATA, StoredItem, _done, _Location, _run
 from .dcp_reader import Reader
 from .staging import byte_view
+from .tier_staging import write_in_tier
 
 __all__ = ["Reader", "StoredItem", "Writer"]
 
@@ -153,7 +154,9 @@ class Writer(_Location, StorageWriter):
             await writer.__aenter__()
             try:
                 for name, layout in files:
-                    if layout.size:
+                    if layout.size and self.tier is not None:
+                        writer.record_written((await write_in_tier(self.tier, target, name, layout, cfg),))
+                    elif layout.size:
                         await writer.put_layout(name, layout)
             except BaseException as exc:
                 with contextlib.suppress(Exception):  # the upload's own error is what the caller sees

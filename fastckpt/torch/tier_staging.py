@@ -105,6 +105,22 @@ def prepare_spares(tier: Tier, files: list[tuple[str, int]]) -> None:
             mapped(path, size)
 
 
+async def write_in_tier(tier: Tier, copy: StorageURI, name: str, layout: Layout, config: TransferConfig) -> FileEntry:
+    """File ``name`` of the tier's copy ``copy`` written from ``layout`` (a DCP rank's file) as ``stage_in_tier``
+    writes a tensor file: into a spare file when one is large enough (mapped here and kept mapped for its next turn),
+    else a new one; then hashed and published under its name. Its manifest entry."""
+    staged = Staged(name, await off_loop(claim, tier.root, "/" + copy.join(name), layout.size), "/" + copy.join(name))
+    try:
+        view = byte_view(await off_loop(mapped, staged.tmp, layout.size))
+        await off_loop(layout.gather, 0, view)
+        part = plan_upload(layout.size, config, TierStore()).part_size
+        chunks = await hash_layout(Layout([view]), part)
+        await off_loop(os.replace, staged.tmp, staged.final)
+    finally:
+        discard([staged])
+    return FileEntry(name, FileDigest(layout.size, part, combine(chunks)), tuple(c.hex() for c in chunks))
+
+
 def discard(staged: list[Staged]) -> None:
     """Remove the partial files not published."""
     for s in staged:
