@@ -66,12 +66,12 @@ class Reader(_Location, StorageReader):
         self._local: set[str] = set()
         """The checkpoint's files this node's tier holds (read from there)."""
         self.bytes_read = {"tier": 0, "uri": 0}
-        """Bytes this reader read from this node's tier and from ``uri`` (whole chunks, ``.metadata`` included)."""
+        """Bytes the last load read from this node's tier and from ``uri`` (whole chunks, ``.metadata`` included)."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.uri = os.fspath(checkpoint_id)
-        self._ckpt = None
+        self._ckpt, self._local, self.bytes_read = None, set(), {"tier": 0, "uri": 0}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_meta.Metadata:
         if self.group is None:

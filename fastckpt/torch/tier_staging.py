@@ -1,6 +1,6 @@
-"""``async_save`` of CPU tensors into a tier: each file is written straight into the tier, a file mapped into memory
-whose pages are recycled save after save (``tier.spare``), so the caller is blocked for one copy of the tensors and
-the save is safe in the tier as soon as it is hashed and committed there."""
+"""Files written straight into a tier: ``async_save`` of CPU tensors (and the DCP writer's files, ``write_in_tier``)
+go into files of the tier mapped into memory, whose pages are recycled save after save (``tier.spare``), so the caller
+is blocked for one copy of the tensors and the save is safe in the tier as soon as it is hashed and committed there."""
 
 from __future__ import annotations
 
