@@ -147,20 +147,16 @@ def rank_worker(spec: dict[str, Any], rank: int) -> dict[str, Any]:
                 blocked = time.perf_counter() - t0
                 h.wait()
                 safe = None
-            elif engine == "dcp-tier":
-                writer = Writer(uri, tier=tier)
+            else:  # dcp-async, dcp-tier
+                writer = Writer(uri, tier=tier if engine == "dcp-tier" else None)
                 future = dcp.async_save(state, storage_writer=writer)
                 blocked = time.perf_counter() - t0
                 future.result()
-                safe = time.perf_counter() - t0
-                if rank == 0:
-                    writer.wait_durable(timeout=600)
-                dist.barrier()
-            else:
-                future = dcp.async_save(state, storage_writer=Writer(uri))
-                blocked = time.perf_counter() - t0
-                future.result()
-                safe = None
+                safe = time.perf_counter() - t0 if writer.tier is not None else None
+                if writer.tier is not None:
+                    if rank == 0:
+                        writer.wait_durable(timeout=600)
+                    dist.barrier()
             saves.append({"blocked_s": blocked, "safe_s": safe, "durable_s": time.perf_counter() - t0,
                           "bare_copy_s": bare})
         out["saves"] = saves

@@ -25,7 +25,7 @@ from ..checkpoint.manifest import CommitMarker, RankManifest, digest_of, marker_
 from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError
 from ..fileio import write_whole
 from ..integrity import hash_chunks
-from ..tier import Tier, TierFullError
+from ..tier import Tier, TierFullError, held_files
 from ..tier.spare import claim
 from ..uri import StorageURI, parse_uri
 from .tier_staging import mapped
@@ -72,9 +72,8 @@ def held_ranks(tier: Tier, durable: StorageURI) -> tuple[bytes | None, dict[int,
         data = _read("/" + rank_key(meta_prefix(copy.key), marker.attempt, rank))
         if data is None or digest_of(data) != want:
             continue
-        files = RankManifest.decode(data, copy.raw).files
-        if all(os.path.exists("/" + copy.join(f.name)) and os.path.getsize("/" + copy.join(f.name)) == f.digest.size
-               for f in files):
+        files = {f.name: f.digest for f in RankManifest.decode(data, copy.raw).files}
+        if len(held_files(files, copy)) == len(files):
             held[rank] = data
     return raw, held
 

@@ -113,12 +113,18 @@ async def write_in_tier(tier: Tier, copy: StorageURI, name: str, layout: Layout,
     try:
         view = byte_view(await off_loop(mapped, staged.tmp, layout.size))
         await off_loop(layout.gather, 0, view)
-        part = plan_upload(layout.size, config, TierStore()).part_size
-        chunks = await hash_layout(Layout([view]), part)
+        entry = await _entry(name, view, config)
         await off_loop(os.replace, staged.tmp, staged.final)
     finally:
         discard([staged])
-    return FileEntry(name, FileDigest(layout.size, part, combine(chunks)), tuple(c.hex() for c in chunks))
+    return entry
+
+
+async def _entry(name: str, view: memoryview, config: TransferConfig) -> FileEntry:
+    """The manifest entry of file ``name``, whose bytes are ``view``: hashed in the parts the tier's store plans."""
+    part = plan_upload(len(view), config, TierStore()).part_size
+    chunks = await hash_layout(Layout([view]), part)
+    return FileEntry(name, FileDigest(len(view), part, combine(chunks)), tuple(c.hex() for c in chunks))
 
 
 def discard(staged: list[Staged]) -> None:
@@ -137,10 +143,7 @@ async def commit_staged(tier: Tier, durable: StorageURI, staged: list[Staged], r
         entries = []
         for s in staged:
             assert s.area is not None
-            size = s.area.numel()
-            part = plan_upload(size, config, TierStore()).part_size
-            chunks = await hash_layout(Layout([byte_view(s.area)]), part)
-            entries.append(FileEntry(s.name, FileDigest(size, part, combine(chunks)), tuple(c.hex() for c in chunks)))
+            entries.append(await _entry(s.name, byte_view(s.area), config))
 
         async def write(writer: CheckpointWriter) -> None:
             for s in staged:
