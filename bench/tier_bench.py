@@ -11,8 +11,9 @@ safe in the tier (``wait()``), until committed in the durable store, against a b
 into memory allocated once, timed just before each save. Engines: ``fastckpt-tier`` (``async_save(..., tier=)``),
 ``fastckpt`` (``async_save`` to S3), ``dcp-async`` (``dcp.async_save`` through ``fastckpt.torch.dcp.Writer``),
 ``fastckpt-tier-peer`` (``async_save(..., tier=, replicas=1)``: each rank's copy also sent to the other node's tier),
-``dcp-tier`` (``dcp.async_save`` through ``Writer(uri, tier=)``, committed on the coordinator's node, durable once
-``wait_durable()`` returned there).
+``dcp-async-cached`` (``dcp-async`` with one ``Writer(cache_staged_state_dict=True)`` for every save of the job),
+``dcp-tier`` (``dcp.async_save`` through one ``Writer(tier=, cache_staged_state_dict=True)``, committed on the
+coordinator's node, durable once ``wait_durable()`` returned there).
 
 Restores (each rank in its own process, the page cache written back and dropped first: cold): (b) a restart on the
 same node (``load(..., tier=)``, served by the tier), (c) a node whose tier was wiped (the same call, served by the
@@ -46,7 +47,7 @@ if REPO not in sys.path:
 from bench.juicefs import JuiceFSGateway, delete_prefix  # noqa: E402
 from bench.state_bench import BUCKET, s3_env  # noqa: E402
 
-ENGINES = ["fastckpt-tier", "fastckpt", "dcp-async", "fastckpt-tier-peer", "dcp-tier"]
+ENGINES = ["fastckpt-tier", "fastckpt", "dcp-async", "fastckpt-tier-peer", "dcp-tier", "dcp-async-cached"]
 TENSOR = 64 << 20
 
 
@@ -130,6 +131,7 @@ def rank_worker(spec: dict[str, Any], rank: int) -> dict[str, Any]:
         if engine == "fastckpt":  # allocated once, as a trainer reuses it (tier saves use it for their first save)
             staging.buffer(spec["bytes"] // spec["ranks"] + (16 << 20)).fill_(0)
         saves = []
+        kept = Writer(tier=tier if engine == "dcp-tier" else None, cache_staged_state_dict=True)
         for step in range(1, spec["saves"] + 1):
             advance(state, step)
             uri = uri_of(spec, f"{spec['name']}/step-{step}")
@@ -147,9 +149,9 @@ def rank_worker(spec: dict[str, Any], rank: int) -> dict[str, Any]:
                 blocked = time.perf_counter() - t0
                 h.wait()
                 safe = None
-            else:  # dcp-async, dcp-tier
-                writer = Writer(uri, tier=tier if engine == "dcp-tier" else None)
-                future = dcp.async_save(state, storage_writer=writer)
+            else:  # dcp-async, dcp-async-cached, dcp-tier
+                writer = Writer(uri) if engine == "dcp-async" else kept
+                future = dcp.async_save(state, checkpoint_id=uri, storage_writer=writer)
                 blocked = time.perf_counter() - t0
                 future.result()
                 safe = time.perf_counter() - t0 if writer.tier is not None else None

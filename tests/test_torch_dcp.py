@@ -38,9 +38,36 @@ def test_sharded_save_and_resharded_load(backend: str, tmp_path: Path, request: 
     base = f"file://{tmp_path}/store" if backend == "local" else request.getfixturevalue("s3_uri")
     ok(job("save", base, 4))  # dcp.save and dcp.async_save by 4 ranks, loaded back by the same 4
     infos = {c.name: c for c in fastckpt.list_checkpoints(base)}
-    assert {n: (c.state, c.world_size) for n, c in infos.items()} == {"a": ("committed", 4), "b": ("committed", 4)}
+    want = {n: ("committed", 4) for n in ("a", "b", "b21", "b22")}
+    assert {n: (c.state, c.world_size) for n, c in infos.items()} == want
     assert fastckpt.verify(below(base, "a")).ok
     ok(job("load", base, 2))  # resharded onto 2 ranks
+
+
+def test_writer_stages_into_memory_it_keeps(tmp_path: Path) -> None:
+    """``Writer(cache_staged_state_dict=True)`` stages each save into the memory of the last, once that save wrote its
+    data; a save staged before then, and a writer without the cache, get fresh memory. Every save loads bit-exact."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fastckpt.torch.dcp import Reader, Writer
+
+    state = {"w": torch.randn(4096), "step": 1}
+    writer, ptrs = Writer(cache_staged_state_dict=True), []
+    for step in (1, 2):
+        state["w"].add_(1)
+        staged = writer.stage(state)
+        ptrs.append(staged["w"].data_ptr())
+        if step == 1:
+            assert writer.stage(state)["w"].data_ptr() != ptrs[0]  # the first save has not written its data yet
+        dcp.save(staged, storage_writer=writer, checkpoint_id=str(tmp_path / f"s{step}"), no_dist=True)
+        back = {"w": torch.zeros(4096), "step": 0}
+        dcp.load(back, storage_reader=Reader(str(tmp_path / f"s{step}")), no_dist=True)
+        assert torch.equal(back["w"], state["w"])
+    assert ptrs[0] == ptrs[1]
+    writer.close()
+    fresh = Writer()
+    assert fresh.stage(state)["w"].data_ptr() != fresh.stage(state)["w"].data_ptr()
 
 
 def test_incremental_saves_with_latest(tmp_path: Path) -> None:

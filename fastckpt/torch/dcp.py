@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import metadata as dcp_meta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -62,7 +63,7 @@ class _RankPlan:
     base: bytes | None = None
 
 
-class Writer(_Location, StorageWriter):
+class Writer(_Location, StorageWriter, AsyncStager):
     """``StorageWriter`` for ``dcp.save`` / ``dcp.async_save`` to the fastckpt checkpoint ``uri`` (any backend).
 
     ``attempt`` names the run (default: from the environment, else drawn by the coordinator). ``base`` (a committed
@@ -70,14 +71,23 @@ class Writer(_Location, StorageWriter):
     has the store copy the parts of its file that hold the same bytes as the base's file of that rank. ``tier`` (this
     node's tier directory): each rank's file goes into its node's tier and the save commits there, on the
     coordinator's node (the ``fastckpt.tier`` agents drain it to ``uri``: ``wait_durable``).
+    ``cache_staged_state_dict`` (as on DCP's ``FileSystemWriter``): ``dcp.async_save`` stages into host memory kept
+    for the next save through this writer (``stage``). One save at a time per writer, as with DCP's own.
     """
+
+    _synchronize_after_execute = False
+    """``stage`` returns once the copy is done: there is nothing for DCP to synchronize."""
 
     def __init__(self, uri: str | os.PathLike[str] | None = None, *, attempt: str | None = None,
                  config: TransferConfig | None = None, base: str | None = None,
-                 tier: str | os.PathLike[str] | Tier | None = None) -> None:
+                 tier: str | os.PathLike[str] | Tier | None = None, cache_staged_state_dict: bool = False) -> None:
         super().__init__()
         self.uri = os.fspath(uri) if uri is not None else None
         self.attempt, self.config, self.base = attempt, config, base
+        self.cache_staged_state_dict = cache_staged_state_dict
+        self._stager: DefaultStager | None = None
+        self._cache_in_use = False
+        """A save staged into the cache has not written its data yet."""
         if tier is not None and base is not None:
             raise ValueError("a DCP save into a tier takes no base=")
         self.tier = tier if tier is None or isinstance(tier, Tier) else Tier(tier)
@@ -90,6 +100,29 @@ class Writer(_Location, StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.uri = os.fspath(checkpoint_id)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``dcp.async_save``'s copy of ``state_dict`` in host memory. Without ``cache_staged_state_dict``, fresh
+        memory each save, as DCP's default stager. With it, memory kept from the last save (pinned where CUDA is
+        available) and refilled: filling fresh pages made the copy 4.5x slower (1 GiB: 0.45 s against 0.10 s, this
+        host), and that copy is the time training is blocked. A save staged while the previous one from this writer
+        has not written its data yet (or failed before it did) gets fresh memory, never the memory being written."""
+        if not self.cache_staged_state_dict or self._cache_in_use:
+            return BlockingAsyncStager().stage(state_dict)
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
+        self._cache_in_use = True
+        return self._stager.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for (``stage`` returns once its copy is done)."""
+
+    def close(self) -> None:
+        """Free the staging memory kept for the next save."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives") is False:
@@ -136,7 +169,10 @@ class Writer(_Location, StorageWriter):
                 stored[i] = StoredItem(name, offset, len(view), dtype, shape)
                 offset += len(view)
             files.append((name, Layout([items[i][0] for i in indexes])))
-        manifest = _run(self._write(where, files))
+        try:
+            manifest = _run(self._write(where, files))
+        finally:
+            self._cache_in_use = False  # the staged tensors are read no more
         done = [s for s in stored if s is not None]
         if done:
             done[0] = dataclasses.replace(done[0], manifest=manifest)

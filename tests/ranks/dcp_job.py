@@ -3,7 +3,8 @@
 Forks ``WORLD`` gloo ranks that hold an FSDP-style state (DTensors sharded on dim 0 over a CPU mesh).
 Modes:
 
-- ``save``: ``dcp.save`` to ``URI/a``, ``dcp.async_save`` to ``URI/b``, then both loaded back and compared.
+- ``save``: ``dcp.save`` to ``URI/a``, ``dcp.async_save`` to ``URI/b``, then two more through one writer that keeps
+  its staging memory (``URI/b21``, ``URI/b22``), all loaded back and compared.
 - ``load``: ``URI/a`` and ``URI/b`` loaded by this world size (resharded).
 - ``crash``: rank 2 dies while uploading its share of ``URI/c``; ``resave``: ``URI/c`` saved and loaded.
 - ``incr``: DCP and ``fastckpt.torch`` saves with ``base="latest"`` (frozen weights copied, not sent), loaded after
@@ -138,6 +139,13 @@ def rank_main(rank: int, mode: str, base: str, world: int, port: int) -> None:
             dcp.async_save(sharded(full_state(2), mesh, 20), storage_writer=Writer(below(base, "b"))).result()
             check(load_into(below(base, "a"), mesh, 1), full_state(1), 10)
             check(load_into(below(base, "b"), mesh, 2), full_state(2), 20)
+            writer = Writer(cache_staged_state_dict=True)
+            for seed in (21, 22):  # the second save is staged into the memory the first was
+                dcp.async_save(sharded(full_state(seed), mesh, seed), checkpoint_id=below(base, f"b{seed}"),
+                               storage_writer=writer).result()
+            writer.close()
+            for seed in (21, 22):
+                check(load_into(below(base, f"b{seed}"), mesh, seed), full_state(seed), seed)
         elif mode == "load":
             check(load_into(below(base, "a"), mesh, 1), full_state(1), 10)
             check(load_into(below(base, "b"), mesh, 2), full_state(2), 20)
