@@ -47,6 +47,8 @@ def test_sharded_save_and_resharded_load(backend: str, tmp_path: Path, request: 
 def test_writer_stages_into_memory_it_keeps(tmp_path: Path) -> None:
     """``Writer(cache_staged_state_dict=True)`` stages each save into the memory of the last, once that save wrote its
     data; a save staged before then, and a writer without the cache, get fresh memory. Every save loads bit-exact."""
+    import pickle
+
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -65,6 +67,8 @@ def test_writer_stages_into_memory_it_keeps(tmp_path: Path) -> None:
         dcp.load(back, storage_reader=Reader(str(tmp_path / f"s{step}")), no_dist=True)
         assert torch.equal(back["w"], state["w"])
     assert ptrs[0] == ptrs[1]
+    sent = pickle.loads(pickle.dumps(writer))  # as to DCP's writing process: without the kept memory
+    assert sent._stager is None and sent.cache_staged_state_dict and writer._stager is not None
     writer.close()
     fresh = Writer()
     assert fresh.stage(state)["w"].data_ptr() != fresh.stage(state)["w"].data_ptr()

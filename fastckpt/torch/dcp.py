@@ -115,6 +115,11 @@ class Writer(_Location, StorageWriter, AsyncStager):
         self._cache_in_use = True
         return self._stager.stage(state_dict)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Without the kept staging memory (``dcp.async_save(..., async_checkpointer_type=PROCESS)`` sends the writer
+        to the process that writes; staging stays in this one)."""
+        return {**self.__dict__, "_stager": None}
+
     def synchronize_staging(self) -> None:
         """Nothing to wait for (``stage`` returns once its copy is done)."""
 
