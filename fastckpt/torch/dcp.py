@@ -72,7 +72,8 @@ class Writer(_Location, StorageWriter, AsyncStager):
     node's tier directory): each rank's file goes into its node's tier and the save commits there, on the
     coordinator's node (the ``fastckpt.tier`` agents drain it to ``uri``: ``wait_durable``).
     ``cache_staged_state_dict`` (as on DCP's ``FileSystemWriter``): ``dcp.async_save`` stages into host memory kept
-    for the next save through this writer (``stage``). One save at a time per writer, as with DCP's own.
+    for the next save through this writer (``stage``; with DCP's default thread-based ``async_save``: a process-based
+    one writes in another process, so each save stages afresh). One save at a time per writer, as with DCP's own.
     """
 
     _synchronize_after_execute = False
