@@ -21,6 +21,7 @@ import dataclasses
 import io
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +41,12 @@ from ..checkpoint.writer import CheckpointWriter
 from ..config import TransferConfig
 from ..engine.layout import Layout
 from ..errors import CheckpointError
+from ..stores.base import Store
 from ..threads import off_loop
 from ..tier import Tier, ensure_agent
+from ..tier.layout import TierStore
 from ..tier.save import wait_durable
+from ..uri import StorageURI
 from .dcp_layout import rank_file, rank_files
 from .dcp_location import METADATA, StoredItem, _done, _Location, _run
 from .dcp_reader import Reader
@@ -92,7 +96,6 @@ class Writer(_Location, StorageWriter, AsyncStager):
         if tier is not None and base is not None:
             raise ValueError("a DCP save into a tier takes no base=")
         self.tier = tier if tier is None or isinstance(tier, Tier) else Tier(tier)
-        self._in_tier = self.tier is not None
         self.result: CommitResult | None = None
         """On the coordinator, once a save is committed: its totals (bytes ``sent`` and ``copied``)."""
         self._planned: str | None = None
@@ -101,6 +104,16 @@ class Writer(_Location, StorageWriter, AsyncStager):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.uri = os.fspath(checkpoint_id)
+
+    @contextlib.asynccontextmanager
+    async def _store(self) -> AsyncIterator[tuple[StorageURI, TransferConfig, Store]]:
+        """As ``_Location._store``; a save into a tier works on this node's copy of the checkpoint there."""
+        if self.tier is None:
+            async with super()._store() as found:
+                yield found
+            return
+        target, cfg = self._where()
+        yield self.tier.copy_of(target), cfg, TierStore()
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``dcp.async_save``'s copy of ``state_dict`` in host memory. Without ``cache_staged_state_dict``, fresh
@@ -192,7 +205,7 @@ class Writer(_Location, StorageWriter, AsyncStager):
                 await off_loop(self.tier.check_room, [layout.size for _, layout in files])
             writer = CheckpointWriter(target, rank=where.rank, world_size=where.world_size, attempt=where.attempt,
                                       config=cfg, barrier=HandedBarrier({}), store=store, base=base,
-                                      per_node=self._in_tier)
+                                      per_node=self.tier is not None)
             await writer.__aenter__()
             try:
                 for name, layout in files:
@@ -238,7 +251,7 @@ class Writer(_Location, StorageWriter, AsyncStager):
         handed = {r: manifests.get(r, RankManifest(attempt, r, world_size)).encode() for r in range(1, world_size)}
         async with self._store() as (target, cfg, store):
             writer = CheckpointWriter(target, rank=0, world_size=world_size, attempt=attempt, config=cfg,
-                                      barrier=HandedBarrier(handed), store=store, per_node=self._in_tier)
+                                      barrier=HandedBarrier(handed), store=store, per_node=self.tier is not None)
             async with writer:
                 if own is not None:
                     writer.record_written(own.files, own.copied)

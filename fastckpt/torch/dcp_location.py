@@ -1,5 +1,5 @@
-"""What the DCP writer and reader share: the checkpoint they work on (``_Location``: its URI, config and store, or
-this node's tier copy), how a stored item is found (``StoredItem``), and running on fastckpt's loop."""
+"""What the DCP writer and reader share: the checkpoint they work on (``_Location``: its URI, config and store), how
+a stored item is found (``StoredItem``), and running on fastckpt's loop."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from .._loop import BackgroundLoop
 from ..config import TransferConfig
 from ..engine.open_stores import store_for
 from ..stores.base import Store
-from ..tier import Tier
-from ..tier.layout import TierStore
 from ..uri import StorageURI, parse_uri
 
 METADATA = ".metadata"
@@ -53,13 +51,10 @@ def _done(value: Any) -> Future:
 
 
 class _Location:
-    """The checkpoint a DCP writer or reader works on: its URI, its config, and fastckpt's kept store for it (or, where
-    it goes to or comes from this node's tier, the tier's copy and store)."""
+    """The checkpoint a DCP writer or reader works on: its URI, its config, and fastckpt's kept store for it."""
 
     uri: str | None
     config: TransferConfig | None
-    tier: Tier | None = None
-    _in_tier: bool = False
 
     def _target(self) -> StorageURI:
         if self.uri is None:
@@ -67,14 +62,14 @@ class _Location:
                              "(uri= or checkpoint_id=)")
         return parse_uri(self.uri)
 
+    def _where(self) -> tuple[StorageURI, TransferConfig]:
+        """The checkpoint's URI and the config (the given one, else the environment's)."""
+        return self._target(), self.config or TransferConfig.from_env()
+
     @contextlib.asynccontextmanager
     async def _store(self) -> AsyncIterator[tuple[StorageURI, TransferConfig, Store]]:
         """(the checkpoint's URI, the config, the open store of its location)."""
-        target, cfg = self._target(), self.config or TransferConfig.from_env()
-        if self._in_tier:
-            assert self.tier is not None
-            yield self.tier.copy_of(target), cfg, TierStore()
-            return
+        target, cfg = self._where()
         async with store_for(target, cfg) as store:
             yield target, cfg, store
 

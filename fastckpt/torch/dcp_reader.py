@@ -25,7 +25,6 @@ from ..checkpoint.group import GroupCall
 from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..config import TransferConfig
 from ..engine.layout import Layout, read_layout
-from ..engine.open_stores import store_for
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError
 from ..tasks import gather_all
@@ -89,10 +88,10 @@ class Reader(_Location, StorageReader):
     async def _metadata(self) -> tuple[Checkpoint, bytes]:
         """The checkpoint (its manifests checked against the marker: this node's tier's when committed there, else the
         URI's) and DCP's metadata bytes, verified; which of its files this node's tier holds (``_sources``)."""
-        target, cfg = self._target(), self.config or TransferConfig.from_env()
+        target, cfg = self._where()
         ckpt = None if self.tier is None else await tier_checkpoint(target, self.tier, None, cfg)
         if ckpt is None:
-            async with store_for(target, cfg) as store:
+            async with self._store() as (_, _, store):
                 ckpt = await open_checkpoint_async(target, config=cfg, store=store)
         self._ckpt = ckpt
         if self.tier is not None:
@@ -259,7 +258,7 @@ class Reader(_Location, StorageReader):
         rank's files), else from the URI, whose store is opened once a span needs it. A read or check that fails in
         the tier (a copy dropped or recycled meanwhile) is done again from the URI, and the tier is not asked for
         that file again."""
-        target, cfg = self._target(), self.config or TransferConfig.from_env()
+        target, cfg = self._where()
         copy = None if self.tier is None else self.tier.copy_of(target)
         opened: list[Transfer] = []
         opening = asyncio.Lock()
@@ -270,7 +269,8 @@ class Reader(_Location, StorageReader):
             async def durable() -> Transfer:
                 async with opening:
                     if not opened:
-                        opened.append(Transfer(await stack.enter_async_context(store_for(target, cfg)), cfg))
+                        _, _, store = await stack.enter_async_context(self._store())
+                        opened.append(Transfer(store, cfg))
                         stack.callback(opened[0].close)
                 return opened[0]
 
