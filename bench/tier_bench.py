@@ -20,9 +20,10 @@ same node (``load(..., tier=)``, served by the tier), (c) a node whose tier was 
 durable store), today's ``load`` from S3 and ``dcp.load`` through fastckpt's ``Reader``; after ``fastckpt-tier-peer``
 saves, node 0's tier wiped and ``restore_tier`` + ``load(..., tier=)`` (rank 0's copy from node 1's tier); after
 ``dcp-tier`` saves, ``dcp.load`` through ``Reader(uri, tier=)`` (each rank's file from its node's tier). (a)
-``--kills`` times: a save job whose ranks SIGKILL themselves as soon as ``wait()`` returned; the checkpoint must then
-be committed by the agents and load bit-exact from the durable store (lost otherwise), and the restore from the tier
-is timed.
+``--kills`` times: a save job whose ranks save once, then again and SIGKILL themselves as soon as ``wait()`` returned
+(the second save, into the tier's recycled files, is handed to the agent before it is committed in the tier); the
+checkpoint must then be committed by the agents and load bit-exact from the durable store (lost otherwise), and the
+restore from the tier is timed.
 """
 
 from __future__ import annotations
@@ -163,7 +164,12 @@ def rank_worker(spec: dict[str, Any], rank: int) -> dict[str, Any]:
                           "bare_copy_s": bare})
         out["saves"] = saves
         out["fingerprint"] = fingerprint(state)
-    elif spec["mode"] == "kill":
+    elif spec["mode"] == "kill":  # after a first save, as a trainer's later saves: into the tier's recycled files
+        from fastckpt.tier.spare import spare_files
+
+        ft.async_save(state, uri_of(spec, spec["name"] + "-first"), tier=tier).wait(durable=True)
+        while not spare_files(tier):
+            time.sleep(0.05)
         advance(state, spec["step"])
         out["fingerprint"] = fingerprint(state)
         with open(os.path.join(spec["out"], f"rank-{rank}.json"), "w") as f:

@@ -156,6 +156,56 @@ def test_tier_refuses_store_barrier_and_base(tmp_path: Path) -> None:
         ft.save(state(1, 0), f"{tmp_path}/c", tier=tmp_path / "tier", base="latest")
 
 
+HANDED_RANK = """
+import os, signal, sys
+import fastckpt.torch as ft
+from fastckpt import InProcessBarrier
+from tests.ranks.tier_job import state
+uri, tier, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+h = ft.async_save(state(6, rank), uri, rank=rank, world_size=2, barrier=InProcessBarrier(), attempt="run-1", tier=tier)
+h.wait(timeout=60)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_saves_handed_to_the_agent_survive_their_trainers(tmp_path: Path) -> None:
+    """A save into the tier's recycled files is safe once handed to the agent, before its ranks commit in the tier.
+    Two ranks of one node, each in a process SIGKILLed as soon as ``wait()`` returned (its commit still waiting for
+    the other rank), with no agent running: their records stay. Rank 0's file is then published, as a trainer
+    killed in its commit leaves it. The agent started then finishes both (hashes, publishes, writes the manifests),
+    drains them and commits from the durable manifests; both load bit-exact from the store and from the tier."""
+    import fcntl
+
+    from fastckpt.tier.handoff import Handoff, handoffs
+    from fastckpt.torch.tier_staging import prepare_spares
+
+    uri, tier = f"{tmp_path}/run/step-6", Tier(tmp_path / "tier")
+    prepare_spares(tier, [(f"rank-{r:05d}.safetensors", 8 << 20) for r in (0, 1)])
+    lock = os.open(os.path.join(tier.agent_dir, "lock"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # as an agent would: none starts
+    try:
+        for rank in (0, 1):
+            run = subprocess.run([sys.executable, "-c", HANDED_RANK, uri, tier.root, str(rank)], cwd=REPO,
+                                 capture_output=True, text=True, timeout=120)
+            assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+        records = [Handoff.decode(Path(p).read_bytes(), p) for p in handoffs(tier)]
+        assert sorted(r.rank for r in records) == [0, 1] and not tier.pending() and not committed(uri)
+        [first] = [f for r in records if r.rank == 0 for f in r.files]
+        os.replace(first.tmp, first.final)
+    finally:
+        os.close(lock)
+    ensure_agent(tier)
+    wait_for(lambda: committed(uri), what="the agent's commit of the handed saves")
+    assert not handoffs(tier) and not tier.failures() and fastckpt.verify(uri).ok
+    for rank in (0, 1):
+        assert digest(ft.load(uri, rank=rank)) == digest(state(6, rank))
+    wait_for(lambda: os.path.exists(os.path.join(tier.copy_of(uri).raw, ".fastckpt", "COMMITTED")),
+             what="the tier's copy adopting the marker")
+    shutil.rmtree(uri)
+    for rank in (0, 1):
+        assert digest(ft.load(uri, rank=rank, tier=tier)) == digest(state(6, rank))
+
+
 def job(tmp_path: Path, spec: dict) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -183,6 +233,30 @@ def test_trainers_killed_after_save_lose_nothing(s3_uri: str, tmp_path: Path) ->
     assert (marker.world_size, marker.files) == (2, 2)
     for rank in (0, 1):
         assert digest(ft.load(uri, rank=rank)) == saved[rank]["sha"] == digest(state(7, rank))
+    loaded = job(tmp_path, {"uri": uri, "world": 2, "tiers": tiers, "mode": "load"})
+    assert [r["sha"] for r in loaded] == [r["sha"] for r in saved]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_after_handing_off_fails_no_one(s3_uri: str, tmp_path: Path) -> None:
+    """Two ranks on two nodes, saving into their tiers' recycled files (``warm``). Rank 0 is SIGKILLed as soon as
+    ``wait()`` returned, its commit still waiting for rank 1; rank 1 saves after that, so its commit in the tier
+    fails, and its process leaves the save to its agent. Each agent finishes its rank's save, both drain, one commits
+    on moto from the durable manifests, and rank 1's ``wait(durable=True)`` returns; both states load bit-exact
+    from moto and, once each node adopted the marker, from the tiers."""
+    uri, tiers = below(s3_uri, "step-5"), [str(tmp_path / "node-0"), str(tmp_path / "node-1")]
+    saved = job(tmp_path, {"uri": uri, "world": 2, "tiers": tiers, "mode": "save", "step": 5,
+                           "warm": below(s3_uri, "step-0"),
+                           "stagger": True, "kill": [0], "durable": True})
+    assert all(r["ok"] for r in saved), saved
+    assert committed(uri) and fastckpt.open_checkpoint(uri).info.world_size == 2
+    for rank in (0, 1):
+        assert digest(ft.load(uri, rank=rank)) == saved[rank]["sha"] == digest(state(5, rank))
+        log = Path(Tier(tiers[rank]).agent_dir, "agent.log").read_text()
+        assert "handed over by its process" in log, log[-2000:]
+    for t in tiers:
+        wait_for(lambda t=t: os.path.exists(os.path.join(Tier(t).copy_of(uri).raw, ".fastckpt", "COMMITTED")),
+                 what="each node adopting the marker")
     loaded = job(tmp_path, {"uri": uri, "world": 2, "tiers": tiers, "mode": "load"})
     assert [r["sha"] for r in loaded] == [r["sha"] for r in saved]
 

@@ -5,10 +5,11 @@ One agent runs per tier directory (it holds ``.agent/lock``); ``ensure_agent`` s
 (its own session: a SIGKILL of the trainer, or of the trainer's process group, leaves it running), unless one holds
 the lock. The agent takes the queue oldest first, a few entries at a time; an entry leaves the queue only once its
 checkpoint is committed in the durable store (``drain``), so a killed agent leaves the queue as the next one resumes
-it. A drain that cannot succeed (the copy damaged, the checkpoint committed by another writer, the other ranks' data
-missing for ``FASTCKPT_AGENT_COMMIT_WAIT`` seconds) is recorded in ``.agent/failed`` and the copy kept; other
-failures (the store unreachable) are retried with a growing pause. The agent exits after ``idle`` seconds with an
-empty queue.
+it. A save whose process handed it over (``handoff``) and let go of it, by dying or after its commit failed, is
+finished here and queued. A drain that cannot succeed (the copy damaged, the checkpoint committed by another writer,
+the other ranks' data missing for ``FASTCKPT_AGENT_COMMIT_WAIT`` seconds) is recorded in ``.agent/failed`` and the
+copy kept; other failures (the store unreachable) are retried with a growing pause. The agent exits after ``idle``
+seconds with an empty queue and no save handed to it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..engine.open_stores import store_for
 from ..errors import CheckpointError, IntegrityError
 from ..uri import parse_uri
 from .drain import drain
+from .handoff import Held, drop_stale_temporaries, finish, handoffs, take_orphan
 from .layout import QueueEntry, Tier
 
 log = logging.getLogger("fastckpt")
@@ -103,8 +105,8 @@ def run_agent(tier: Tier, idle: float = IDLE_S, config: TransferConfig | None = 
         asyncio.run(_serve(tier, idle, config or TransferConfig.from_env(), fd))
     finally:
         os.close(fd)
-    if os.path.isdir(tier.queue_dir) and tier.pending():  # queued after the last look, by a saver that saw the
-        run_agent(tier, idle, config)                    # lock held: take it on
+    if os.path.isdir(tier.queue_dir) and (tier.pending() or handoffs(tier)):  # queued or handed after the last look,
+        run_agent(tier, idle, config)                                     # by a saver that saw the lock held
     return True
 
 
@@ -136,12 +138,23 @@ async def _serve(tier: Tier, idle: float, config: TransferConfig, fd: int) -> No
             if entry.not_before > time.time():
                 continue
             running[path] = asyncio.create_task(_drain_entry(tier, path, entry, config, wait))
+        for path in handoffs(tier):
+            wait = waits.setdefault(path, _Wait())
+            if path in running or len(running) >= DRAINS or wait.until > now:
+                continue
+            held = take_orphan(path)  # its process died, or left it after its commit failed
+            if held is not None:
+                running[path] = asyncio.create_task(_finish_handoff(tier, held, wait))
         for path in [p for p, t in running.items() if t.done()]:
             running.pop(path).result()
-        if running or tier.pending():
+            if not os.path.exists(path):
+                waits.pop(path, None)
+        if running or tier.pending() or handoffs(tier):
             last_busy = now
         elif now - last_busy > idle:
             return
+        else:
+            drop_stale_temporaries(tier)
         await asyncio.sleep(POLL_S)
 
 
@@ -185,6 +198,31 @@ async def _drain_entry(tier: Tier, path: str, entry: QueueEntry, config: Transfe
         os.remove(path)
     log.info("agent: rank %d of %s drained and committed", entry.rank, entry.durable)
     tier.prune(entry.keep)
+
+
+async def _finish_handoff(tier: Tier, held: Held, wait: _Wait) -> None:
+    """Finish the save recorded in ``held`` (``handoff.finish``) and drop the record; a failure that cannot pass is
+    recorded as a drain's is (the copy kept), others are retried."""
+    try:
+        handoff = held.read()
+    except CheckpointError as exc:
+        tier.record_failure(held.path, None, exc)
+        held.release()
+        return
+    try:
+        await finish(tier, handoff)
+    except CheckpointError as exc:
+        log.error("agent: giving up on %s: %s", held.path, exc)
+        tier.record_failure(held.path, QueueEntry(handoff.durable, handoff.copy, handoff.attempt, handoff.rank,
+                                                  handoff.keep), exc)
+        held.release()
+        return
+    except Exception as exc:
+        log.warning("agent: finishing %s failed (%s); retrying in %.0f s", held.path, exc, wait.again(*RETRY_S))
+        held.release()
+        return
+    log.info("agent: rank %d of %s handed over by its process: queued", handoff.rank, handoff.durable)
+    held.done()
 
 
 def _queued_at(path: str) -> float:

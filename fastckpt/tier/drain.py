@@ -4,9 +4,11 @@ Each node's agent uploads its ranks' files (create-if-absent, each checked again
 then the manifests as they are in the tier. After each rank, the agent lists the attempt's manifests in the durable
 store; when every rank the marker names is there (each checked against the marker's digest) and every file they
 name has its size, it creates the marker, the same bytes the tier holds, create-if-absent. Whichever agent finishes
-last sees every manifest, so exactly one commit wins and the others find the same bytes there. A node whose tier has
-no marker (a DCP save commits on the coordinator's node alone) waits for the durable one and adopts it, so that its
-copy is committed there too; every agent keeps its entry queued until the durable commit.
+last sees every manifest, so exactly one commit wins and the others find the same manifests committed there. A rank
+handed to the agent before its tier commit (``handoff``) has no marker in its tier: its agent builds the marker from
+the durable manifests, checked as the ranks' root checks them. A node whose tier has no marker otherwise (a DCP save
+commits on the coordinator's node alone) waits for the durable one and adopts it, so that its copy is committed
+there too; every agent keeps its entry queued until the durable commit.
 """
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ import dataclasses
 import logging
 
 from ..checkpoint.documents import read_object
-from ..checkpoint.manifest import CommitMarker, RankManifest, digest_of, marker_key, meta_prefix, rank_key
+from ..checkpoint.manifest import (
+    CommitMarker,
+    RankManifest,
+    build_marker,
+    digest_of,
+    marker_key,
+    meta_prefix,
+    rank_key,
+)
 from ..config import TransferConfig
 from ..engine.transfer import Transfer
 from ..errors import AlreadyExistsError, CheckpointError, IntegrityError, ObjectNotFoundError
@@ -63,7 +73,9 @@ async def drain(entry: QueueEntry, store: Store, config: TransferConfig, upload:
     if upload:
         await _upload(store, config, copy, durable, manifest)
         await _put_same(store, rank_key(meta_prefix(durable.key), entry.attempt, entry.rank), data)
-    if marker is not None and await commit_if_complete(store, durable, marker[1], marker[0]):
+    known = None if marker is None else marker[1]
+    if (known is not None or entry.handed) and await commit_if_complete(
+            store, durable, entry.attempt, manifest.world_size, known) and known is not None:
         return True
     return await _adopt(store, durable, local, copy, entry.attempt)
 
@@ -114,27 +126,33 @@ async def _put_same(store: Store, key: str, data: bytes) -> None:
             await store.put(key, data)
 
 
-async def commit_if_complete(store: Store, durable: StorageURI, marker: CommitMarker, raw: bytes) -> bool:
-    """Create the marker ``raw`` at ``durable`` when every manifest it names is there with the files they name;
-    True when it did (or found the same marker there)."""
-    prefix = join_key(meta_prefix(durable.key), marker.attempt) + "/"
-    present = {m.key async for m in store.list(prefix)}
-    keys = [rank_key(meta_prefix(durable.key), marker.attempt, r) for r in range(marker.world_size)]
+async def commit_if_complete(store: Store, durable: StorageURI, attempt: str, world_size: int,
+                             marker: CommitMarker | None) -> bool:
+    """Create the commit marker of ``attempt`` at ``durable`` when every manifest is there with the files it names;
+    True when it did (or found one committing the same manifests). ``marker``: the one the ranks agreed on in the
+    tier, else (None: a handed save) one built from the durable manifests, checked as the ranks' root checks them."""
+    keys = [rank_key(meta_prefix(durable.key), attempt, r) for r in range(world_size)]
+    present = {m.key async for m in store.list(join_key(meta_prefix(durable.key), attempt) + "/")}
     if any(k not in present for k in keys):
         return False
+    payloads = [await read_object(store, key) for key in keys]
+    if marker is None:
+        marker, manifests = build_marker(payloads, attempt, world_size, f"checkpoint {durable.raw}")
+    elif any(digest_of(data) != marker.manifests[rank] for rank, data in enumerate(payloads)):
+        return False  # another attempt's, being replaced by its agent
+    else:
+        manifests = [RankManifest.decode(data, key) for data, key in zip(payloads, keys, strict=True)]
     sizes = {m.key: m.size for m in [m async for m in store.list(durable.key)]}
-    for rank, key in enumerate(keys):
-        data = await read_object(store, key)
-        if digest_of(data) != marker.manifests[rank]:
-            return False  # another attempt's, being replaced by its agent
-        for f in RankManifest.decode(data, key).files:
+    for m in manifests:
+        for f in m.files:
             if sizes.get(durable.join(f.name)) != f.digest.size:
-                raise CheckpointError(f"checkpoint {durable.raw}: {f.name!r} of rank {rank} is missing or has "
+                raise CheckpointError(f"checkpoint {durable.raw}: {f.name!r} of rank {m.rank} is missing or has "
                                       "another size in the durable store; not committed")
     try:
-        await store.put(marker_key(durable.key), raw, if_absent=True)
-    except AlreadyExistsError:
-        if await read_object(store, marker_key(durable.key)) != raw:
+        await store.put(marker_key(durable.key), marker.encode(), if_absent=True)
+    except AlreadyExistsError:  # by another node's agent: the same manifests, or another writer's
+        there = CommitMarker.decode(await read_object(store, marker_key(durable.key)), marker_key(durable.key))
+        if (there.attempt, there.manifests) != (marker.attempt, marker.manifests):
             raise CheckpointError(f"checkpoint {durable.raw} was committed by another writer meanwhile") from None
-    log.info("agent: committed %s (attempt %s, %d ranks)", durable.raw, marker.attempt, marker.world_size)
+    log.info("agent: committed %s (attempt %s, %d ranks)", durable.raw, attempt, world_size)
     return True

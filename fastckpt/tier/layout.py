@@ -7,6 +7,8 @@ Layout of a tier directory ``T`` (one per node and user; ``/dev/shm/fastckpt`` o
                                               peers' replicas, and the marker every rank agreed on)
     T/.agent/queue/{ns}-{rank}-{id}.json      one rank's copy waiting to be drained (removed once the checkpoint is
                                               committed in the durable store)
+    T/.agent/handoff/{ns}-{rank}-{id}.json    one rank's save staged in the tier, locked by its process while it
+                                              commits; the agent's to finish once unlocked (``handoff``)
     T/.agent/failed/{same name}               why a drain gave up (the copy is kept)
     T/.agent/copies/{id}.json                 each committed copy: its durable URI and commit time (for pruning)
     T/.agent/spare/{name}.{token}             files of dropped copies, written into by the next saves (``spare``)
@@ -62,6 +64,9 @@ class QueueEntry:
     keep: int
     not_before: float = 0.0
     """Epoch seconds before which the agent leaves it alone (a peer's replica: its own node drains it first)."""
+    handed: bool = False
+    """Finished by the agent for a process that handed it over (``handoff``): no marker in the tier unless the
+    ranks committed there, so the drain commits from the durable manifests."""
 
     def encode(self) -> bytes:
         """JSON bytes."""
@@ -73,7 +78,7 @@ class QueueEntry:
         try:
             doc = json.loads(data)
             return cls(str(doc["durable"]), str(doc["copy"]), str(doc["attempt"]), int(doc["rank"]), int(doc["keep"]),
-                       float(doc.get("not_before", 0.0)))
+                       float(doc.get("not_before", 0.0)), bool(doc.get("handed", False)))
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"tier queue entry {where} is malformed: {exc}") from None
 
@@ -174,14 +179,16 @@ class Tier:
                                 f"raise its capacity, lower keep= (now {self.keep}), or let the agent drain older "
                                 "copies")
 
-    def enqueue(self, durable: StorageURI, attempt: str, rank: int, committed_at: float, delay: float = 0.0) -> None:
+    def enqueue(self, durable: StorageURI, attempt: str, rank: int, committed_at: float, delay: float = 0.0,
+                handed: bool = False) -> None:
         """Record rank ``rank``'s committed copy of ``durable`` and queue it for the agent (after ``delay`` seconds:
-        a peer's replica, drained here only if its own node has not committed the checkpoint by then)."""
+        a peer's replica, drained here only if its own node has not committed the checkpoint by then; ``handed``:
+        see ``QueueEntry``)."""
         copy = self.copy_of(durable)
         cid = checkpoint_id(durable)
         record = {"durable": durable.uri(), "copy": "/" + copy.key, "attempt": attempt, "committed_at": committed_at}
         write_whole(os.path.join(self.copies_dir, f"{cid}.json"), json.dumps(record).encode())
-        entry = QueueEntry(durable.uri(), "/" + copy.key, attempt, rank, self.keep, time.time() + delay)
+        entry = QueueEntry(durable.uri(), "/" + copy.key, attempt, rank, self.keep, time.time() + delay, handed)
         write_whole(os.path.join(self.queue_dir, f"{time.time_ns():020d}-{rank:05d}-{cid}.json"), entry.encode())
 
     def pending(self) -> list[str]:

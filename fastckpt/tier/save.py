@@ -4,10 +4,11 @@ wait until the agents committed it at the durable URI."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 
+from ..checkpoint.attempt import attempt_from_env, new_attempt_id
 from ..checkpoint.barrier import Barrier
 from ..checkpoint.commit import CommitResult
 from ..checkpoint.documents import read_object
@@ -20,10 +21,27 @@ from ..errors import CheckpointError, ObjectNotFoundError
 from ..threads import off_loop
 from ..uri import StorageURI
 from .agent import ensure_agent
+from .handoff import handed
 from .layout import Tier, TierStore
 
 POLL_S = (0.02, 0.25)
 """First and longest pause between looks at the tier's queue while waiting for the durable commit."""
+
+_agreed: weakref.WeakKeyDictionary[Barrier, str] = weakref.WeakKeyDictionary()
+"""The attempt the ranks of each barrier agreed on at their first tier save in this process."""
+
+
+def known_attempt(attempt: str | None, world_size: int, barrier: Barrier | None) -> str | None:
+    """The attempt of a tier save, when it is known before the ranks meet: given, from the environment, drawn here
+    for a single rank, or agreed at an earlier save through the same barrier (one run of a job is one attempt);
+    else None (the ranks agree on it as they commit)."""
+    if attempt:
+        return attempt
+    if (found := attempt_from_env()) is not None:
+        return found
+    if world_size == 1:
+        return new_attempt_id()
+    return None if barrier is None else _agreed.get(barrier)
 
 
 async def commit_in_tier(tier: Tier, durable: StorageURI, write: Callable[[CheckpointWriter], Awaitable[None]],
@@ -38,6 +56,8 @@ async def commit_in_tier(tier: Tier, durable: StorageURI, write: Callable[[Check
         await write(writer)
     result = writer.result
     assert result is not None
+    if barrier is not None and world_size > 1:
+        _agreed[barrier] = result.attempt
     await off_loop(tier.enqueue, durable, result.attempt, rank, result.committed_at)
     await off_loop(ensure_agent, tier)
     return result
@@ -57,11 +77,11 @@ async def save_to_tier(tier: Tier, durable: StorageURI, files: list[tuple[str, L
 
 async def wait_durable(tier: Tier, durable: StorageURI, result: CommitResult, rank: int, timeout: float | None,
                        config: TransferConfig | None = None) -> CommitResult:
-    """Wait until the checkpoint of rank ``rank``'s tier commit ``result`` is committed at ``durable``; its result
-    there. The wait watches the tier's queue (the agent takes the rank's entry off once the checkpoint is committed
-    in the bucket), so a thousand waiting ranks cost the bucket one read each. CheckpointError when an agent gave up
-    on it (or another attempt committed there), TimeoutError after ``timeout`` seconds. An agent that died meanwhile
-    is started again."""
+    """Wait until the checkpoint of rank ``rank``'s tier save ``result`` is committed at ``durable``; its result
+    there (from the marker). The wait watches the tier's queue and hand-off records (the agent takes the rank's entry
+    off once the checkpoint is committed in the bucket), so a thousand waiting ranks cost the bucket one read each.
+    CheckpointError when an agent gave up on it (or another attempt committed there), TimeoutError after ``timeout``
+    seconds. An agent that died meanwhile is started again."""
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = POLL_S[0]
     async with store_for(durable, config or TransferConfig.from_env()) as store:
@@ -69,7 +89,7 @@ async def wait_durable(tier: Tier, durable: StorageURI, result: CommitResult, ra
             why = await off_loop(tier.failure, durable, result.attempt)
             if why is not None:
                 raise CheckpointError(f"the node agent could not drain {durable.raw} from tier {tier.root}: {why}")
-            queued = await off_loop(tier.queued, durable, rank)
+            queued = await off_loop(tier.queued, durable, rank) or await off_loop(handed, tier, durable, rank)
             if not queued:
                 try:
                     raw = await read_object(store, marker_key(durable.key))
@@ -80,7 +100,8 @@ async def wait_durable(tier: Tier, durable: StorageURI, result: CommitResult, ra
                     if found.attempt != result.attempt:
                         raise CheckpointError(f"checkpoint {durable.raw} was committed by attempt "
                                               f"{found.attempt!r}, not by this save's {result.attempt!r}")
-                    return dataclasses.replace(result, uri=durable.raw)
+                    return CommitResult(durable.raw, found.attempt, found.world_size, found.files, found.bytes,
+                                        found.committed_at, found.copied)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"checkpoint {durable.raw} is not committed yet (still draining from "
                                    f"tier {tier.root})")

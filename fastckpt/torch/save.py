@@ -53,9 +53,11 @@ class SaveHandle:
     """An ``async_save`` in flight: ``wait()`` returns its commit result or raises what failed it."""
 
     def __init__(self, future: concurrent.futures.Future[CommitResult], blocked_s: float,
-                 tier: tuple[Tier, str, int] | None = None) -> None:
+                 tier: tuple[Tier, str, int] | None = None,
+                 handed: concurrent.futures.Future[CommitResult] | None = None) -> None:
         self._future = future
         self._tier = tier
+        self._handed = handed
         self.blocked_s = blocked_s
         """Seconds the caller was blocked (staging the tensors)."""
 
@@ -66,16 +68,29 @@ class SaveHandle:
     def wait(self, timeout: float | None = None, *, durable: bool = False) -> CommitResult:
         """Wait for the commit; raises the save's exception (nothing was committed then), or TimeoutError.
 
-        Saves to a ``tier``: the commit in the tier (the training process may die now: the node agent drains it);
+        Saves to a ``tier``: once the save is safe there (the training process may die now: the node agent drains
+        it): committed in the tier, or handed to the agent before that (the result then counts this rank's files
+        alone; a commit in the tier that fails after the hand-off is logged and finished by the agent).
         ``durable=True`` waits on until the agents committed it at the durable URI (CheckpointError when they gave
         up, with why), ``timeout`` covering both."""
         started = time.monotonic()
-        result = self._future.result(timeout)
+        result = self._safe(timeout)
         if not durable or self._tier is None:
             return result
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
         tier, uri, rank = self._tier
         return BackgroundLoop.get().run(wait_durable(tier, parse_uri(uri), result, rank, left))
+
+    def _safe(self, timeout: float | None) -> CommitResult:
+        """The commit's result; for a save handed to the node agent, the hand-off's once there and the commit not."""
+        if self._handed is None:
+            return self._future.result(timeout)
+        concurrent.futures.wait([self._handed, self._future], timeout, concurrent.futures.FIRST_COMPLETED)
+        if self._future.done() and (self._future.exception() is None or not self._handed.done()):
+            return self._future.result()
+        if self._handed.done():
+            return self._handed.result()
+        raise TimeoutError(f"the save is not safe in its tier within {timeout} s")
 
     def exception(self) -> BaseException | None:
         """The save's exception once it is done (None when it committed); waits for it to finish."""
@@ -100,9 +115,10 @@ def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int 
     rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
     skeleton, tensors = flatten(state_dict)
     if tier is not None or any(t.device.type != "cpu" for t in tensors.values()):
-        return async_save(state_dict, uri, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
-                          config=config, store=store, staging=None if tier else Staging(), base=base,
-                          tier=tier, replicas=replicas).wait()
+        handle = async_save(state_dict, uri, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
+                            config=config, store=store, staging=None if tier else Staging(), base=base,
+                            tier=tier, replicas=replicas)
+        return handle._future.result()  # committed (in the tier): not just handed to the agent
     files = [(name, Layout([header.raw] + [byte_view(tensors[n].detach().contiguous()) for n in header.tensors]))
              for name, header in rank_files(rank, skeleton, tensors, base is not None)]
     place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, None)
@@ -143,10 +159,11 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
         target = parse_uri(uri)
         staged = stage_in_tier(place.tier, place.tier.copy_of(target), headers, tensors)
         if staged is not None:
+            handed: concurrent.futures.Future[CommitResult] = concurrent.futures.Future()
             coro = commit_staged(place.tier, target, staged, rank, world_size, barrier, attempt,
-                                 config or TransferConfig.from_env(), after)
+                                 config or TransferConfig.from_env(), after, None if after else handed.set_result)
             future = asyncio.run_coroutine_threadsafe(coro, BackgroundLoop.get().loop)
-            return SaveHandle(future, time.perf_counter() - started, (place.tier, uri, rank))
+            return SaveHandle(future, time.perf_counter() - started, (place.tier, uri, rank), handed)
         spares = [(name, h.size) for name, h in headers]
     staging = staging or default_staging(rank)
     with staging.claim(if_busy):

@@ -119,7 +119,8 @@ class Staging:
 
 _defaults: dict[int, Staging] = {}
 _gloo: tuple[Any, Any] | None = None
-"""(the world group it was made for, the gloo group the commits use)."""
+"""(the world group it was made for, the barrier on the gloo group the commits use: one object, so that tier saves
+find the attempt its ranks agreed on at their first save, ``tier.save.known_attempt``)."""
 
 
 def default_staging(rank: int) -> Staging:
@@ -142,6 +143,6 @@ def distributed_defaults(rank: int | None, world_size: int | None, barrier: Barr
             from ..checkpoint.barrier_torch import TorchBarrier
 
             if _gloo is None or _gloo[0] is not dist.group.WORLD:  # first use, or a new process group
-                _gloo = (dist.group.WORLD, dist.new_group(backend="gloo"))
-            barrier = TorchBarrier(_gloo[1])
+                _gloo = (dist.group.WORLD, TorchBarrier(dist.new_group(backend="gloo")))
+            barrier = _gloo[1]
     return (0 if rank is None else rank), (1 if world_size is None else world_size), barrier

@@ -1,13 +1,16 @@
 """Files written straight into a tier: ``async_save`` of CPU tensors (and the DCP writer's files, ``write_in_tier``)
 go into files of the tier mapped into memory, whose pages are recycled save after save (``tier.spare``), so the caller
-is blocked for one copy of the tensors and the save is safe in the tier as soon as it is hashed and committed there."""
+is blocked for one copy of the tensors, and the save is safe as soon as it is handed to the node agent
+(``commit_staged``), before it is hashed and committed in the tier."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -18,17 +21,17 @@ from ..checkpoint.commit import CommitResult
 from ..checkpoint.manifest import FileEntry
 from ..checkpoint.writer import CheckpointWriter
 from ..config import TransferConfig
-from ..engine.layout import Layout, hash_layout
-from ..engine.plan import plan_upload
-from ..integrity import FileDigest, combine
+from ..engine.layout import Layout
 from ..threads import off_loop
-from ..tier import Tier, TierFullError
-from ..tier.layout import TierStore
-from ..tier.save import commit_in_tier
+from ..tier import Tier, TierFullError, ensure_agent
+from ..tier.handoff import Handoff, Held, StagedFile, hand_off, hashed_entry, part_size
+from ..tier.save import commit_in_tier, known_attempt
 from ..tier.spare import claim, fits, prepare
 from ..uri import StorageURI
 from .format import Header
 from .staging import byte_view, copy_tensors, synchronize
+
+log = logging.getLogger("fastckpt")
 
 _maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}
 """The tier files this process mapped, by (device, inode): a file that comes back recycled is written through the
@@ -113,18 +116,11 @@ async def write_in_tier(tier: Tier, copy: StorageURI, name: str, layout: Layout,
     try:
         view = byte_view(await off_loop(mapped, staged.tmp, layout.size))
         await off_loop(layout.gather, 0, view)
-        entry = await _entry(name, view, config)
+        entry = await hashed_entry(name, view, part_size(len(view), config))
         await off_loop(os.replace, staged.tmp, staged.final)
     finally:
         discard([staged])
     return entry
-
-
-async def _entry(name: str, view: memoryview, config: TransferConfig) -> FileEntry:
-    """The manifest entry of file ``name``, whose bytes are ``view``: hashed in the parts the tier's store plans."""
-    part = plan_upload(len(view), config, TierStore()).part_size
-    chunks = await hash_layout(Layout([view]), part)
-    return FileEntry(name, FileDigest(len(view), part, combine(chunks)), tuple(c.hex() for c in chunks))
 
 
 def discard(staged: list[Staged]) -> None:
@@ -136,14 +132,31 @@ def discard(staged: list[Staged]) -> None:
 
 async def commit_staged(tier: Tier, durable: StorageURI, staged: list[Staged], rank: int, world_size: int,
                         barrier: Barrier | None, attempt: str | None, config: TransferConfig,
-                        after: Callable[[], Awaitable[None]] | None = None) -> CommitResult:
+                        after: Callable[[], Awaitable[None]] | None = None,
+                        safe: Callable[[CommitResult], None] | None = None) -> CommitResult:
     """Hash the staged files, publish them under their names and commit them in the tier with the other ranks
-    (``commit_in_tier``); then ``after()`` (the replicas)."""
+    (``commit_in_tier``); then ``after()`` (the replicas).
+
+    ``safe``: called as soon as the save is handed to the node agent (``tier.handoff``), before the hashing, with
+    this rank's share (its files and bytes; the commit time is the hand-off's). The agent finishes the save if this
+    process dies, or if its commit here fails (a rank died meanwhile); the files are then left to it. Only once the
+    attempt is known (``known_attempt``): else ``safe`` is not called."""
+    sizes = [0 if s.area is None else s.area.numel() for s in staged]
+    parts = [part_size(size, config) for size in sizes]
+    held: Held | None = None
     try:
+        if safe is not None and (attempt := known_attempt(attempt, world_size, barrier)) is not None:
+            copy = tier.copy_of(durable)
+            record = Handoff(durable.uri(), "/" + copy.key, attempt, rank, world_size, tier.keep,
+                             tuple(StagedFile(s.name, s.tmp, s.final, size, part)
+                                   for s, size, part in zip(staged, sizes, parts, strict=True)))
+            held = await off_loop(hand_off, tier, record)
+            await off_loop(ensure_agent, tier)
+            safe(CommitResult(copy.raw, attempt, world_size, len(staged), sum(sizes), time.time()))
         entries = []
-        for s in staged:
+        for s, part in zip(staged, parts, strict=True):
             assert s.area is not None
-            entries.append(await _entry(s.name, byte_view(s.area), config))
+            entries.append(await hashed_entry(s.name, byte_view(s.area), part))
 
         async def write(writer: CheckpointWriter) -> None:
             for s in staged:
@@ -151,10 +164,19 @@ async def commit_staged(tier: Tier, durable: StorageURI, staged: list[Staged], r
             writer.record_written(tuple(entries))
 
         result = await commit_in_tier(tier, durable, write, rank, world_size, barrier, attempt, config)
+        if held is not None:
+            held.done()
         if after is not None:
             await after()
         return result
+    except BaseException as exc:
+        if held is not None:
+            log.warning("rank %d: committing %s in tier %s failed (%s); its node agent finishes it", rank,
+                        durable.raw, tier.root, exc)
+            held.release()
+        raise
     finally:
         for s in staged:
             s.area = None
-        discard(staged)
+        if held is None:  # else published, or the agent's
+            discard(staged)
