@@ -237,7 +237,8 @@ async def _commit(files: list[tuple[str, Layout]], p: _Place, spares: list[tuple
         if after is not None:
             await after()
         if spares:  # after the result: the files are for the next save, not this one
-            _readying.add(task := asyncio.get_running_loop().create_task(off_loop(prepare_spares, p.tier, spares)))
+            _readying.add(task := asyncio.get_running_loop().create_task(
+                off_loop(prepare_spares, p.tier, spares, p.tier.copy_of(target))))
             task.add_done_callback(_readied)
         return result
     async with contextlib.AsyncExitStack() as stack:

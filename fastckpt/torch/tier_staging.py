@@ -95,9 +95,15 @@ def stage_in_tier(tier: Tier, copy: StorageURI, headers: list[tuple[str, Header]
     return staged
 
 
-def prepare_spares(tier: Tier, files: list[tuple[str, int]]) -> None:
+def prepare_spares(tier: Tier, files: list[tuple[str, int]], copy: StorageURI | None = None) -> None:
     """Spare files for the next save of ``files`` (name, size), mapped here with their pages filled, so that the
-    next save copies into memory as warm as a staging area's; skipped where the tier has no room for them."""
+    next save copies into memory as warm as a staging area's; skipped where the tier has no room for them. ``copy``:
+    the tier's copy that holds ``files`` now (written through the staging area), mapped here too, since its files
+    come back as spare files once it is dropped."""
+    if copy is not None:
+        for name, size in files:
+            with contextlib.suppress(FileNotFoundError):
+                mapped("/" + copy.join(name), size)
     try:
         tier.check_room([size for _, size in files])
     except TierFullError:
