@@ -7,13 +7,14 @@ The durable store is the JuiceFS S3 gateway on 127.0.0.1; nodes are simulated by
 ``--tier-root`` (``/dev/shm`` by default) and the agent each rank's save starts there. The state (``--gib`` in all,
 split over ``--ranks`` gloo processes) is bf16 tensors of 64 MiB. Each save job saves ``--saves`` times back to back
 (one job per engine and round, rounds interleaved) and reports per rank and save: seconds training was blocked, until
-safe in the tier (``wait()``), until committed in the durable store, against a bare ``copy_()`` of the same tensors
-into memory allocated once, timed just before each save. Engines: ``fastckpt-tier`` (``async_save(..., tier=)``),
-``fastckpt`` (``async_save`` to S3), ``dcp-async`` (``dcp.async_save`` through ``fastckpt.torch.dcp.Writer``),
-``fastckpt-tier-peer`` (``async_save(..., tier=, replicas=1)``: each rank's copy also sent to the other node's tier),
-``dcp-async-cached`` (``dcp-async`` with one ``Writer(cache_staged_state_dict=True)`` for every save of the job),
-``dcp-tier`` (``dcp.async_save`` through one ``Writer(tier=, cache_staged_state_dict=True)``, committed on the
-coordinator's node, durable once ``wait_durable()`` returned there).
+safe in the tier (``wait()``), until committed in the durable store, against a bare ``copy_()`` of the same tensors into
+memory allocated once, timed just before each save (all ranks copying at once, as they save at once). Engines:
+``fastckpt-tier`` (``async_save(..., tier=)``), ``fastckpt`` (``async_save`` to S3), ``dcp-async`` (``dcp.async_save``
+through ``fastckpt.torch.dcp.Writer``), ``fastckpt-tier-peer`` (``async_save(..., tier=, replicas=1)``: each rank's copy
+also sent to the other node's tier), ``dcp-async-cached`` (``dcp-async`` with one
+``Writer(cache_staged_state_dict=True)`` for every save of the job), ``dcp-tier`` (``dcp.async_save`` through one
+``Writer(tier=, cache_staged_state_dict=True)``, committed on the coordinator's node, durable once ``wait_durable()``
+returned there).
 
 Restores (each rank in its own process, the page cache written back and dropped first: cold): (b) a restart on the
 same node (``load(..., tier=)``, served by the tier), (c) a node whose tier was wiped (the same call, served by the
@@ -136,7 +137,8 @@ def rank_worker(spec: dict[str, Any], rank: int) -> dict[str, Any]:
         for step in range(1, spec["saves"] + 1):
             advance(state, step)
             uri = uri_of(spec, f"{spec['name']}/step-{step}")
-            bare = bare_copy()  # the reference, at the same moment as the save
+            dist.barrier()
+            bare = bare_copy()  # the reference: every rank at once, as in the save
             dist.barrier()
             t0 = time.perf_counter()
             if engine in ("fastckpt-tier", "fastckpt-tier-peer"):
