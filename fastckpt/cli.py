@@ -123,11 +123,12 @@ def cmd_gc(args: argparse.Namespace) -> dict[str, object]:
 def cmd_agent(args: argparse.Namespace) -> dict[str, object]:
     from .tier import Tier, run_agent
     from .tier.agent import agent_pid
+    from .tier.handoff import handoffs
 
     tier = Tier(args.tier, args.keep)
     served = False if args.status else run_agent(tier, args.idle, _config(args), args.lock_fd)
     return {"tier": tier.root, "served": served, "agent_pid": agent_pid(tier), "pending": len(tier.pending()),
-            "failed": tier.failures(), "copies": [str(c["durable"]) for c in tier.copies()]}
+            "handed": len(handoffs(tier)), "failed": tier.failures(), "copies": [str(c["durable"]) for c in tier.copies()]}
 
 
 def cmd_demo(args: argparse.Namespace) -> dict[str, object]:
@@ -171,7 +172,7 @@ def _print_human(name: str, out: dict[str, object]) -> None:
         for line in out["skipped"]:  # type: ignore[union-attr]
             print(f"  skipped {line}")
     elif name == "agent":
-        print(f"tier {out['tier']}: {out['pending']} rank copies queued, agent "
+        print(f"tier {out['tier']}: {out['pending']} rank copies queued, {out['handed']} saves being handed over, agent "
               f"{'pid ' + str(out['agent_pid']) if out['agent_pid'] else 'not running'}")
         for c in out["copies"]:  # type: ignore[union-attr]
             print(f"  copy of {c}")

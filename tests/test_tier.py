@@ -407,7 +407,7 @@ def test_agent_command_drains_and_reports(tmp_path: Path, capsys) -> None:
     wait_for(lambda: agent_pid(tier) is None and not tier.pending(), what="the started agent")
     assert main(["agent", tier.root, "--status", "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
-    assert (status["served"], status["pending"], status["failed"]) == (False, 0, [])
+    assert (status["served"], status["pending"], status["handed"], status["failed"]) == (False, 0, 0, [])
     assert status["copies"] == [f"{run}/step-1"]
     tier.enqueue(fastckpt.uri.parse_uri(f"{run}/step-2"), "nope", 0, time.time())  # a copy that is not there
     assert main(["agent", tier.root, "--idle", "0.2", "--json"]) == 0
