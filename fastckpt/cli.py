@@ -128,7 +128,8 @@ def cmd_agent(args: argparse.Namespace) -> dict[str, object]:
     tier = Tier(args.tier, args.keep)
     served = False if args.status else run_agent(tier, args.idle, _config(args), args.lock_fd)
     return {"tier": tier.root, "served": served, "agent_pid": agent_pid(tier), "pending": len(tier.pending()),
-            "handed": len(handoffs(tier)), "failed": tier.failures(), "copies": [str(c["durable"]) for c in tier.copies()]}
+            "handed": len(handoffs(tier)), "failed": tier.failures(),
+            "copies": [str(c["durable"]) for c in tier.copies()]}
 
 
 def cmd_demo(args: argparse.Namespace) -> dict[str, object]:
@@ -172,7 +173,7 @@ def _print_human(name: str, out: dict[str, object]) -> None:
         for line in out["skipped"]:  # type: ignore[union-attr]
             print(f"  skipped {line}")
     elif name == "agent":
-        print(f"tier {out['tier']}: {out['pending']} rank copies queued, {out['handed']} saves being handed over, agent "
+        print(f"tier {out['tier']}: {out['pending']} rank copies queued, {out['handed']} being handed over, agent "
               f"{'pid ' + str(out['agent_pid']) if out['agent_pid'] else 'not running'}")
         for c in out["copies"]:  # type: ignore[union-attr]
             print(f"  copy of {c}")
