@@ -73,10 +73,11 @@ async def drain(entry: QueueEntry, store: Store, config: TransferConfig, upload:
     if upload:
         await _upload(store, config, copy, durable, manifest)
         await _put_same(store, rank_key(meta_prefix(durable.key), entry.attempt, entry.rank), data)
-    known = None if marker is None else marker[1]
-    if (known is not None or entry.handed) and await commit_if_complete(
-            store, durable, entry.attempt, manifest.world_size, known) and known is not None:
-        return True
+    if marker is not None:
+        if await commit_if_complete(store, durable, entry.attempt, manifest.world_size, marker[1]):
+            return True
+    elif entry.handed:  # no marker agreed here: commit from the durable manifests, then adopt what is committed
+        await commit_if_complete(store, durable, entry.attempt, manifest.world_size, None)
     return await _adopt(store, durable, local, copy, entry.attempt)
 
 

@@ -87,7 +87,6 @@ class Handoff:
             raise CheckpointError(f"tier hand-off record {where} is malformed: {exc}") from None
 
 
-
 def handoff_dir(tier: Tier) -> str:
     """Where ``tier`` keeps the records of saves handed to its agent."""
     return os.path.join(tier.agent_dir, "handoff")
