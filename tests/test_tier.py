@@ -158,11 +158,13 @@ def test_tier_refuses_store_barrier_and_base(tmp_path: Path) -> None:
 
 HANDED_RANK = """
 import os, signal, sys
+import torch
 import fastckpt.torch as ft
 from fastckpt import InProcessBarrier
 from tests.ranks.tier_job import state
 uri, tier, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
-h = ft.async_save(state(6, rank), uri, rank=rank, world_size=2, barrier=InProcessBarrier(), attempt="run-1", tier=tier)
+st = {**state(6, rank), "big": torch.full((12 << 20,), float(rank))}  # hashed in several spans
+h = ft.async_save(st, uri, rank=rank, world_size=2, barrier=InProcessBarrier(), attempt="run-1", tier=tier)
 h.wait(timeout=60)
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -180,7 +182,7 @@ def test_saves_handed_to_the_agent_survive_their_trainers(tmp_path: Path) -> Non
     from fastckpt.torch.tier_staging import prepare_spares
 
     uri, tier = f"{tmp_path}/run/step-6", Tier(tmp_path / "tier")
-    prepare_spares(tier, [(f"rank-{r:05d}.safetensors", 8 << 20) for r in (0, 1)])
+    prepare_spares(tier, [(f"rank-{r:05d}.safetensors", 64 << 20) for r in (0, 1)])
     lock = os.open(os.path.join(tier.agent_dir, "lock"), os.O_RDWR | os.O_CREAT)
     fcntl.flock(lock, fcntl.LOCK_EX)  # as an agent would: none starts
     try:
@@ -197,13 +199,16 @@ def test_saves_handed_to_the_agent_survive_their_trainers(tmp_path: Path) -> Non
     ensure_agent(tier)
     wait_for(lambda: committed(uri), what="the agent's commit of the handed saves")
     assert not handoffs(tier) and not tier.failures() and fastckpt.verify(uri).ok
+    def saved(rank: int) -> str:
+        return digest({**state(6, rank), "big": torch.full((12 << 20,), float(rank))})
+
     for rank in (0, 1):
-        assert digest(ft.load(uri, rank=rank)) == digest(state(6, rank))
+        assert digest(ft.load(uri, rank=rank)) == saved(rank)
     wait_for(lambda: os.path.exists(os.path.join(tier.copy_of(uri).raw, ".fastckpt", "COMMITTED")),
              what="the tier's copy adopting the marker")
     shutil.rmtree(uri)
     for rank in (0, 1):
-        assert digest(ft.load(uri, rank=rank, tier=tier)) == digest(state(6, rank))
+        assert digest(ft.load(uri, rank=rank, tier=tier)) == saved(rank)
 
 
 def job(tmp_path: Path, spec: dict) -> list[dict]:

@@ -221,12 +221,8 @@ async def _publish(f: StagedFile) -> FileEntry:
     try:
         if os.fstat(fd).st_size < f.size:
             raise CheckpointError(f"tier file {path} holds {os.fstat(fd).st_size} bytes, the save staged {f.size}")
-        with mmap.mmap(fd, f.size, prot=mmap.PROT_READ) if f.size else contextlib.nullcontext(b"") as m:
-            view = memoryview(m)
-            try:
-                entry = await hashed_entry(f.name, view, f.part)
-            finally:
-                view.release()
+        data = mmap.mmap(fd, f.size, prot=mmap.PROT_READ) if f.size else b""  # unmapped once its views are gone
+        entry = await hashed_entry(f.name, memoryview(data), f.part)
     finally:
         os.close(fd)
     if path == f.tmp:
