@@ -4,6 +4,7 @@ wait until the agents committed it at the durable URI."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import weakref
 from collections.abc import Awaitable, Callable
@@ -41,7 +42,10 @@ def known_attempt(attempt: str | None, world_size: int, barrier: Barrier | None)
         return found
     if world_size == 1:
         return new_attempt_id()
-    return None if barrier is None else _agreed.get(barrier)
+    try:
+        return None if barrier is None else _agreed.get(barrier)
+    except TypeError:  # a barrier that cannot be a weak key (unhashable, or no weak references)
+        return None
 
 
 async def commit_in_tier(tier: Tier, durable: StorageURI, write: Callable[[CheckpointWriter], Awaitable[None]],
@@ -57,7 +61,8 @@ async def commit_in_tier(tier: Tier, durable: StorageURI, write: Callable[[Check
     result = writer.result
     assert result is not None
     if barrier is not None and world_size > 1:
-        _agreed[barrier] = result.attempt
+        with contextlib.suppress(TypeError):
+            _agreed[barrier] = result.attempt
     await off_loop(tier.enqueue, durable, result.attempt, rank, result.committed_at)
     await off_loop(ensure_agent, tier)
     return result
