@@ -199,6 +199,7 @@ def test_saves_handed_to_the_agent_survive_their_trainers(tmp_path: Path) -> Non
     ensure_agent(tier)
     wait_for(lambda: committed(uri), what="the agent's commit of the handed saves")
     assert not handoffs(tier) and not tier.failures() and fastckpt.verify(uri).ok
+
     def saved(rank: int) -> str:
         return digest({**state(6, rank), "big": torch.full((12 << 20,), float(rank))})
 
