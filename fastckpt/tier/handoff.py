@@ -33,7 +33,7 @@ from ..errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
 from ..integrity import FileDigest, combine
 from ..threads import off_loop
 from ..uri import StorageURI, parse_uri
-from .layout import Tier, TierStore, checkpoint_id
+from .layout import Tier, TierStore, names_rank, record_name
 
 
 def part_size(size: int, config: TransferConfig) -> int:
@@ -92,11 +92,6 @@ def handoff_dir(tier: Tier) -> str:
     return os.path.join(tier.agent_dir, "handoff")
 
 
-def handoff_name(durable: StorageURI, rank: int) -> str:
-    """The file name ending of rank ``rank``'s records for ``durable`` (as queue entries are named)."""
-    return f"-{rank:05d}-{checkpoint_id(durable)}.json"
-
-
 class Held:
     """A record this process holds locked: ``done()`` once the save is queued (the record goes), ``release()`` to
     leave it to the agent."""
@@ -125,7 +120,7 @@ def hand_off(tier: Tier, handoff: Handoff) -> Held:
     """Write ``handoff`` into ``tier``'s records, locked by this process until ``done()`` or ``release()`` (or its
     death). The record appears under its name already locked."""
     durable = parse_uri(handoff.durable)
-    path = os.path.join(handoff_dir(tier), f"{time.time_ns():020d}{handoff_name(durable, handoff.rank)}")
+    path = os.path.join(handoff_dir(tier), record_name(durable, handoff.rank))
     os.makedirs(handoff_dir(tier), exist_ok=True)
     tmp = f"{path}.{secrets.token_hex(4)}.tmp"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -144,7 +139,7 @@ def hand_off(tier: Tier, handoff: Handoff) -> Held:
 def handed(tier: Tier, durable: StorageURI, rank: int) -> bool:
     """Whether a record of rank ``rank``'s save of ``durable`` is there (held by its process, or not yet finished
     by the agent)."""
-    return any(p.endswith(handoff_name(durable, rank)) for p in handoffs(tier))
+    return any(names_rank(p, durable, rank) for p in handoffs(tier))
 
 
 def handoffs(tier: Tier) -> list[str]:

@@ -121,6 +121,17 @@ def checkpoint_id(durable: StorageURI) -> str:
     return hashlib.sha256(f"{durable.backend}|{durable.bucket}|{durable.key}".encode()).hexdigest()[:20]
 
 
+def record_name(durable: StorageURI, rank: int) -> str:
+    """A new name for a record of rank ``rank``'s copy of ``durable`` (a queue entry, a hand-off): the time first,
+    so that names sort oldest first."""
+    return f"{time.time_ns():020d}-{rank:05d}-{checkpoint_id(durable)}.json"
+
+
+def names_rank(path: str, durable: StorageURI, rank: int) -> bool:
+    """Whether record ``path`` (named by ``record_name``) is one of rank ``rank``'s copy of ``durable``."""
+    return path.endswith(f"-{rank:05d}-{checkpoint_id(durable)}.json")
+
+
 class Tier:
     """The tier directory ``root`` (created when missing); ``keep``: committed copies kept once drained;
     ``capacity``: bytes its copies may take in all (None: what its filesystem has free)."""
@@ -189,7 +200,7 @@ class Tier:
         record = {"durable": durable.uri(), "copy": "/" + copy.key, "attempt": attempt, "committed_at": committed_at}
         write_whole(os.path.join(self.copies_dir, f"{cid}.json"), json.dumps(record).encode())
         entry = QueueEntry(durable.uri(), "/" + copy.key, attempt, rank, self.keep, time.time() + delay, handed)
-        write_whole(os.path.join(self.queue_dir, f"{time.time_ns():020d}-{rank:05d}-{cid}.json"), entry.encode())
+        write_whole(os.path.join(self.queue_dir, record_name(durable, rank)), entry.encode())
 
     def pending(self) -> list[str]:
         """Queue entry paths, oldest first."""
@@ -199,8 +210,7 @@ class Tier:
 
     def queued(self, durable: StorageURI, rank: int) -> bool:
         """Whether rank ``rank``'s copy of ``durable`` is still queued (its checkpoint not yet committed there)."""
-        suffix = f"-{rank:05d}-{checkpoint_id(durable)}.json"
-        return any(p.endswith(suffix) for p in self.pending())
+        return any(names_rank(p, durable, rank) for p in self.pending())
 
     def entry(self, path: str) -> QueueEntry:
         """The queue entry at ``path`` (FileNotFoundError once taken off the queue)."""
