@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import logging
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from .threads import leave_stop_signals_to_main
+
 T = TypeVar("T")
+log = logging.getLogger("fastckpt")
+WAKE_S = 0.2
+"""Longest a caller waiting for the background loop sleeps between looks at its pending signal handlers."""
+STOP_GRACE_S = 5.0
+"""Longest an interrupted caller waits for its cancelled coroutine to finish cleaning up."""
 
 try:
     import uvloop
@@ -28,8 +38,12 @@ class BackgroundLoop:
 
     def __init__(self) -> None:
         self.loop = new_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="fastckpt-loop", daemon=True)
+        self.thread = threading.Thread(target=self._serve, name="fastckpt-loop", daemon=True)
         self.thread.start()
+
+    def _serve(self) -> None:
+        leave_stop_signals_to_main()  # and so do the threads the loop starts (getaddrinfo's, its executor's)
+        self.loop.run_forever()
 
     @classmethod
     def get(cls) -> BackgroundLoop:
@@ -39,16 +53,49 @@ class BackgroundLoop:
                 cls._instance = BackgroundLoop()
             return cls._instance
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the background loop and wait for its result (never on the loop thread)."""
+    def run(self, coro: Coroutine[Any, Any, T], *, timeout: float | None = None) -> T:
+        """Run ``coro`` on the background loop and wait for its result (never on the loop thread); TimeoutError
+        after ``timeout`` seconds (the coroutine is then cancelled).
+
+        The wait wakes every ``WAKE_S``, so a signal that a thread other than this one took (one that
+        fastckpt did not start) is handled that soon. An interrupt (Ctrl-C) cancels the coroutine and waits up
+        to ``STOP_GRACE_S`` for its clean-up (a second interrupt stops waiting), so that what the call leaves
+        behind is settled when the interrupt reaches the caller.
+        """
         if threading.current_thread() is self.thread:
             coro.close()
             raise RuntimeError("fastckpt: blocking call made from its own background loop thread")
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        result: concurrent.futures.Future[T] = concurrent.futures.Future()
+        ended = threading.Event()
+        tasks: list[asyncio.Task[T]] = []
+
+        def start() -> None:
+            tasks.append(self.loop.create_task(coro))
+            tasks[0].add_done_callback(finish)
+
+        def finish(task: asyncio.Task[T]) -> None:
+            if task.cancelled():
+                result.cancel()
+            elif (exc := task.exception()) is not None:
+                result.set_exception(exc)
+            else:
+                result.set_result(task.result())
+            ended.set()
+
+        self.loop.call_soon_threadsafe(start)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return future.result()
-        except BaseException:  # an interrupt while waiting (Ctrl-C): the coroutine does not go on alone
-            future.cancel()
+            while not result.done():
+                left = WAKE_S if deadline is None else min(WAKE_S, deadline - time.monotonic())
+                if left <= 0:
+                    raise TimeoutError(f"fastckpt: not done after {timeout} s")
+                concurrent.futures.wait([result], left)
+            return result.result()
+        except BaseException:  # an interrupt while waiting: the coroutine does not go on alone
+            self.loop.call_soon_threadsafe(lambda: tasks[0].cancel())  # after start(): the loop runs them in order
+            if not ended.wait(STOP_GRACE_S):
+                log.warning("fastckpt: the interrupted call is still cleaning up after %.0f s; not waiting for it",
+                            STOP_GRACE_S)
             raise
 
 

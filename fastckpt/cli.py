@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from . import __version__
-from ._loop import run_sync
+from ._loop import BackgroundLoop
 from .api import download, upload
 from .checkpoint import gc, list_checkpoints, verify
 from .config import TransferConfig, parse_size
@@ -83,7 +83,7 @@ def cmd_ls(args: argparse.Namespace) -> dict[str, object]:
         async with open_store(uri) as store:
             return [{"key": m.key, "size": m.size, "mtime": m.mtime} async for m in store.list(uri.key)]
 
-    return {"objects": run_sync(go())}
+    return {"objects": BackgroundLoop.get().run(go())}
 
 
 def cmd_verify(args: argparse.Namespace) -> dict[str, object]:
@@ -111,7 +111,7 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, object]:
             transfer.close()
             return out
 
-    results = run_sync(go())
+    results = BackgroundLoop.get().run(go())
     return {"ok": all(r["ok"] for r in results) and bool(results), "objects": results}
 
 
@@ -307,5 +307,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def run() -> None:
+    """The console script: ``main``, then the process ends; a stopped command ends it at once.
+
+    A stopped command has cancelled its work and waited a bounded time for it to settle (``_loop.STOP_GRACE_S``);
+    what is left (a thread finishing a file write, stores being closed) is not waited for: everything a
+    transfer leaves behind survives a kill (hidden partial files, journals, open multipart uploads)."""
+    code = main()
+    if code in (130, 143):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

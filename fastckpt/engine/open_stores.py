@@ -16,6 +16,8 @@ from ..stores.base import Store
 from ..uri import StorageURI
 
 _open: dict[tuple[object, TransferConfig], Store] = {}
+CLOSE_S = 5.0
+"""Longest the process's exit waits for the kept stores to close."""
 
 
 @contextlib.asynccontextmanager
@@ -39,7 +41,7 @@ async def store_for(uri: StorageURI, config: TransferConfig) -> AsyncIterator[St
 
 
 def _close_all() -> None:
-    """Close the kept stores at exit (their connections belong to the background loop)."""
+    """Close the kept stores at exit (their connections belong to the background loop), within ``CLOSE_S``."""
     stores = list(_open.values())
     _open.clear()
 
@@ -49,4 +51,4 @@ def _close_all() -> None:
                 await store.close()
 
     with contextlib.suppress(Exception):
-        BackgroundLoop.get().run(close())
+        BackgroundLoop.get().run(close(), timeout=CLOSE_S)
