@@ -100,17 +100,7 @@ class BackgroundLoop:
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` to completion from synchronous code.
-
-    On a thread without a running loop a fresh (uv)loop runs it; on a thread that already runs a
-    loop (Jupyter, Ray actors, async frameworks) it runs on the background loop thread instead.
-    """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        runner = asyncio.Runner(loop_factory=new_loop) if hasattr(asyncio, "Runner") else None
-        if runner is None:  # Python 3.10
-            return asyncio.run(coro)
-        with runner:
-            return runner.run(coro)
+    """Run ``coro`` to completion from synchronous code, on the background loop: on any thread (those that run
+    a loop of their own too), with the stores it opened kept for the next call, and stopped as
+    ``BackgroundLoop.run`` says on an interrupt."""
     return BackgroundLoop.get().run(coro)
