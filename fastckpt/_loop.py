@@ -10,8 +10,6 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from .threads import leave_stop_signals_to_main
-
 T = TypeVar("T")
 log = logging.getLogger("fastckpt")
 WAKE_S = 0.2
@@ -38,12 +36,8 @@ class BackgroundLoop:
 
     def __init__(self) -> None:
         self.loop = new_loop()
-        self.thread = threading.Thread(target=self._serve, name="fastckpt-loop", daemon=True)
+        self.thread = threading.Thread(target=self.loop.run_forever, name="fastckpt-loop", daemon=True)
         self.thread.start()
-
-    def _serve(self) -> None:
-        leave_stop_signals_to_main()  # and so do the threads the loop starts (getaddrinfo's, its executor's)
-        self.loop.run_forever()
 
     @classmethod
     def get(cls) -> BackgroundLoop:
@@ -57,8 +51,11 @@ class BackgroundLoop:
         """Run ``coro`` on the background loop and wait for its result (never on the loop thread); TimeoutError
         after ``timeout`` seconds (the coroutine is then cancelled).
 
-        The wait wakes every ``WAKE_S``, so a signal that a thread other than this one took (one that
-        fastckpt did not start) is handled that soon. An interrupt (Ctrl-C) cancels the coroutine and waits up
+        The wait wakes every ``WAKE_S``, so a signal that another thread took is handled that soon: the kernel
+        hands a signal sent to the process to any thread, and one taken by a worker thread only marks Python's
+        handler as due, which a thread asleep on a lock runs when its wait ends (a Ctrl-C went unanswered until
+        a stalled download ended). Worker threads do not block the signals instead: the processes they start
+        would inherit the block. An interrupt (Ctrl-C) cancels the coroutine and waits up
         to ``STOP_GRACE_S`` for its clean-up (a second interrupt stops waiting), so that what the call leaves
         behind is settled when the interrupt reaches the caller.
         """

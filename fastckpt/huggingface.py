@@ -24,7 +24,6 @@ from transformers import TrainerCallback
 
 from .checkpoint import SyncCheckpointWriter, download_checkpoint, latest
 from .config import TransferConfig
-from .threads import worker_pool
 from .uri import join_key, parse_uri
 
 
@@ -49,7 +48,7 @@ class UploadCheckpoints(TrainerCallback):
         folder = os.path.join(args.output_dir, name)
         staged = _link_tree(folder)
         if self._executor is None:
-            self._executor = worker_pool(1, "fastckpt-hf-upload")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-hf-upload")
         self._pending.append(self._executor.submit(self._upload, staged, self._target(name)))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -15,36 +14,16 @@ from typing import TypeVar
 T = TypeVar("T")
 _IO_THREADS = 16
 _SOCKET_THREADS = 32
-STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
-"""Signals that stop a process: Ctrl-C, a scheduler's SIGTERM, a closed terminal."""
-
-
-def leave_stop_signals_to_main() -> None:
-    """Block ``STOP_SIGNALS`` in the calling worker thread (and in the threads it starts).
-
-    The kernel gives a signal sent to the process to any thread that does not block it. One taken by a worker
-    thread only marks Python's handler as due; a main thread asleep on a lock (waiting for the transfer it
-    started) runs it once that wait ends, so a Ctrl-C went unanswered until a stalled download ended. Blocked
-    here, every such signal goes to the main thread, which wakes at once."""
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-
-
-def worker_pool(threads: int, name: str) -> ThreadPoolExecutor:
-    """A pool of ``threads`` worker threads named ``name-N`` that leave the stop signals to the main thread."""
-    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name, initializer=leave_stop_signals_to_main)
-
-
-_IO = worker_pool(_IO_THREADS, "fastckpt-io")
-_SOCKETS = worker_pool(_SOCKET_THREADS, "fastckpt-socket")
+_IO = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="fastckpt-io")
+_SOCKETS = ThreadPoolExecutor(max_workers=_SOCKET_THREADS, thread_name_prefix="fastckpt-socket")
 _io_started = threading.Event()
 
 
 def _reset_io_after_fork() -> None:
     """A forked child inherits the executors but none of their threads: give it fresh ones."""
     global _IO, _SOCKETS, _io_started
-    _IO = worker_pool(_IO_THREADS, "fastckpt-io")
-    _SOCKETS = worker_pool(_SOCKET_THREADS, "fastckpt-socket")
+    _IO = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="fastckpt-io")
+    _SOCKETS = ThreadPoolExecutor(max_workers=_SOCKET_THREADS, thread_name_prefix="fastckpt-socket")
     _io_started = threading.Event()
 
 
@@ -65,7 +44,6 @@ def start_io_threads() -> None:
     submitted = threading.Event()
 
     def fill() -> None:
-        leave_stop_signals_to_main()
         try:
             for _ in range(_IO_THREADS):
                 _IO.submit(submitted.wait, 1.0)

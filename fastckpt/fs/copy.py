@@ -18,12 +18,12 @@ created (also on unpickling in Ray workers); ``FASTCKPT_PATCH_COPY_FILES=0`` tur
 from __future__ import annotations
 
 import posixpath
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow.fs as pafs
 
 from ..config import env_flag
-from ..threads import worker_pool
 from .base import FastckptHandler
 from .files import OutputStream
 
@@ -133,7 +133,7 @@ def _copy_streams(src_fs: pafs.FileSystem, dst_fs: pafs.FileSystem, pairs: list[
             out.close()
 
     if use_threads and len(pairs) > 1:
-        with worker_pool(min(MAX_THREADS, len(pairs)), "fastckpt-copy") as pool:
+        with ThreadPoolExecutor(max_workers=min(MAX_THREADS, len(pairs)), thread_name_prefix="fastckpt-copy") as pool:
             for _ in pool.map(one, pairs):
                 pass
     else:
