@@ -55,7 +55,7 @@ async def upload_async(
         transfer = Transfer(store, config, progress)
         try:
             bases = {} if base is None else await base_objects(store, target, base, [k for _, k in pairs])
-            return await transfer.upload_files(pairs, bases=bases)
+            return await transfer.upload_files(pairs, bases=bases, snapshot=True)
         finally:
             transfer.close()
 

@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from ..errors import AlreadyExistsError, IntegrityError, ObjectNotFoundError, StoreError
 from ..fileio import read_exact
@@ -25,20 +26,37 @@ from .session import FileResult, TransferSession
 from .sink import copy_and_hash, hash_file_range
 
 log = logging.getLogger("fastckpt")
+SNAPSHOT_READS = 3
+"""Reads of a file that keeps being rewritten or cut short before a snapshot upload gives up on it."""
 _NO_MAPPING = {errno.ENODEV, errno.EINVAL}
 """What ``mmap`` of a file raises where its filesystem cannot map it."""
 
 
+class SourceChanged(IntegrityError):
+    """A file being uploaded was rewritten or cut short while it was read."""
+
+
 class Uploads(TransferSession):
-    """Uploads of local files."""
+    """Uploads of local files.
+
+    A file is taken as it is when it is opened: its size then is what is sent, and the digest recorded is that of
+    the bytes sent. What a change to the file during its upload does depends on ``snapshot``, for one part and many
+    alike. Strict (the default, what checkpoint saves use): any change (size or modification time) fails the
+    upload with ``IntegrityError`` naming the file. Snapshot (plain copies: ``fastckpt cp``, the filesystem
+    facades, what Ray Tune syncs from a live experiment directory): a file that grew meanwhile is no error (its
+    first bytes, checked, are what was sent); one rewritten or cut short is read again, up to ``SNAPSHOT_READS``
+    times, then fails naming it.
+    """
 
     async def upload_files(self, pairs: list[tuple[str, str]], *, if_absent: bool = False,
-                           bases: Mapping[str, BaseObject] | None = None) -> list[FileResult]:
+                           bases: Mapping[str, BaseObject] | None = None, snapshot: bool = False
+                           ) -> list[FileResult]:
         """Upload ``(local path, key)`` pairs concurrently.
 
         With ``if_absent`` every object is created only if its key is free (AlreadyExistsError otherwise,
         nothing stored); a key that already holds an object with the same digest counts as written. ``bases``
         (by key): objects of an earlier checkpoint whose unchanged bytes the store copies (``engine.reuse``).
+        ``snapshot``: files that change while they are sent are taken as the class says.
         """
         bases = bases or {}
         sizes = []
@@ -49,56 +67,90 @@ class Uploads(TransferSession):
                 raise FileNotFoundError(f"source file {path} does not exist") from None
         self.progress.expect(sum(sizes))
         failed = asyncio.Event()  # set when one file failed: the others are then cancelled, not interrupted
-        return await gather_all((self._upload_counted(p, k, if_absent, failed, size, sum(sizes), bases.get(k))
-                                 for (p, k), size in zip(pairs, sizes, strict=True)), failed)
+        return await gather_all((self._upload_counted(p, k, if_absent, failed, size, sum(sizes), bases.get(k),
+                                                      snapshot) for (p, k), size in zip(pairs, sizes, strict=True)),
+                                failed)
 
     async def upload_file(self, path: str, key: str, *, if_absent: bool = False) -> FileResult:
         """Upload one file (progress total grows by its size)."""
         return (await self.upload_files([(path, key)], if_absent=if_absent))[0]
 
     async def _upload_counted(self, path: str, key: str, if_absent: bool, failed: asyncio.Event, size: int,
-                              batch: int, base: BaseObject | None) -> FileResult:
+                              batch: int, base: BaseObject | None, snapshot: bool) -> FileResult:
         async with self._files:
-            plan = plan_upload(size, self.config, self.store)
+            for read in range(1, SNAPSHOT_READS + 1):
+                try:
+                    digest, chunks = await self._upload_opened(path, key, if_absent, failed, size, batch, base,
+                                                               snapshot)
+                    break
+                except SourceChanged as exc:
+                    if not snapshot:
+                        raise
+                    if read == SNAPSHOT_READS:
+                        raise SourceChanged(f"{exc}, at each of {read} reads") from None
+                    log.info("%s; reading it again", exc)
+        return FileResult(key, path, digest, tuple(chunks), self.reuse.copied.get(key, 0))
+
+    async def _upload_opened(self, path: str, key: str, if_absent: bool, failed: asyncio.Event, size: int,
+                             batch: int, base: BaseObject | None, snapshot: bool) -> tuple[FileDigest, list[bytes]]:
+        """Open ``path``, then upload it as it is now (its size when listed was ``size``)."""
+        fd = await off_loop(_open_source, path, undo=os.close)
+        try:
+            opened = _written(fd)
+            if opened[0] != size:
+                self.progress.expect(opened[0] - size)
+            plan = plan_upload(opened[0], self.config, self.store)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("upload %s -> %s: %d bytes, %d part(s) of %d", path, self.store.uri(key), plan.size,
                           plan.count, plan.part_size)
+            source = _Source(fd, path, key, opened, snapshot)
             if not plan.multipart and base is None:
-                digest, chunks = await self._upload_single(path, plan, key, if_absent)
-            else:
-                fd = await off_loop(_open_source, path, undo=os.close)
-                try:
-                    plan = plan_upload(os.fstat(fd).st_size, self.config, self.store)
-                    digest, chunks = await self._upload_reusing(fd, plan, key, path, if_absent, failed, batch, base)
-                finally:
-                    os.close(fd)
-        return FileResult(key, path, digest, tuple(chunks), self.reuse.copied.get(key, 0))
+                return await self._upload_single(source, plan, if_absent)
+            return await self._upload_reusing(source, plan, if_absent, failed, batch, base)
+        except EOFError as exc:  # a read or a send of the file found it shorter than when it was opened
+            raise SourceChanged(f"{path} was cut short while it was being uploaded to {key}: {exc}") from exc
+        finally:
+            os.close(fd)
 
-    async def _upload_reusing(self, fd: int, plan: Plan, key: str, path: str, if_absent: bool, failed: asyncio.Event,
-                              batch: int, base: BaseObject | None) -> tuple[FileDigest, list[bytes]]:
+    async def _check_source(self, source: _Source, plan: Plan, digest: FileDigest) -> None:
+        """Raise ``SourceChanged`` when ``source`` changed since it was opened in a way its mode does not accept
+        (``digest``: of what was taken from it)."""
+        now = _written(source.fd)
+        if now == source.opened:
+            return
+        if not source.snapshot:
+            raise SourceChanged(f"{source.path} changed while it was being uploaded to {source.key}")
+        if now[0] < plan.size:
+            raise SourceChanged(f"{source.path} was cut short while it was being uploaded to {source.key}")
+        if await self._hash_file(source.fd, plan) != digest:  # grew: were its first bytes rewritten too?
+            raise SourceChanged(f"{source.path} was rewritten while it was being uploaded to {source.key}")
+
+    async def _upload_reusing(self, source: _Source, plan: Plan, if_absent: bool, failed: asyncio.Event, batch: int,
+                              base: BaseObject | None) -> tuple[FileDigest, list[bytes]]:
         """A file uploaded with what the store can copy from ``base`` copied: it is hashed first, copied whole when
         it equals the base, else sent with the parts that equal the base's copied."""
         chunks = None
         if base is not None:
-            chunks = await gather_all(self._hash_part(fd, plan, i) for i in range(plan.count))
+            chunks = await gather_all(self._hash_part(source.fd, plan, i) for i in range(plan.count))
             digest = FileDigest(plan.size, plan.part_size, combine(chunks))
             base = same_parts(base, digest, chunks)
-            if await self.copied_whole(key, base, digest, if_absent):
+            if await self.copied_whole(source.key, base, digest, if_absent):
+                await self._check_source(source, plan, digest)
                 return digest, chunks
             if not plan.multipart:
-                return await self._upload_single(path, plan, key, if_absent)
-        return await self._upload_multipart(fd, plan, key, path, if_absent, failed, batch, base, chunks)
+                return await self._upload_single(source, plan, if_absent)
+        return await self._upload_multipart(source, plan, if_absent, failed, batch, base, chunks)
 
-    async def _upload_single(self, path: str, plan: Plan, key: str, if_absent: bool
-                             ) -> tuple[FileDigest, list[bytes]]:
+    async def _upload_single(self, source: _Source, plan: Plan, if_absent: bool) -> tuple[FileDigest, list[bytes]]:
         async with self.pool.buffer(plan.size) as buf:
-            digests = await off_loop(_read_source, path, buf, plan.part_size)  # one I/O thread: open, read, hash
+            digests = await off_loop(_read_and_hash, source.fd, buf, plan.part_size)
             digest = FileDigest(plan.size, plan.part_size, combine(digests))
+            await self._check_source(source, plan, digest)
             meta = digest.metadata() if self.config.digest_metadata else None
             try:
-                await self.store.put(key, buf, if_absent=if_absent, metadata=meta)
+                await self.store.put(source.key, buf, if_absent=if_absent, metadata=meta)
             except AlreadyExistsError:
-                if not await self.holds_digest(key, digest):
+                if not await self.holds_digest(source.key, digest):
                     raise
         self.progress.advance(plan.size)
         return digest, digests
@@ -144,17 +196,17 @@ class Uploads(TransferSession):
             return False
         return FileDigest.from_metadata(meta.size, meta.metadata) == digest
 
-    async def _upload_multipart(self, fd: int, plan: Plan, key: str, path: str, if_absent: bool,
-                                failed: asyncio.Event, batch: int, base: BaseObject | None = None,
-                                chunks: list[bytes] | None = None) -> tuple[FileDigest, list[bytes]]:
+    async def _upload_multipart(self, source: _Source, plan: Plan, if_absent: bool, failed: asyncio.Event, batch: int,
+                                base: BaseObject | None = None, chunks: list[bytes] | None = None
+                                ) -> tuple[FileDigest, list[bytes]]:
+        fd, key = source.fd, source.key
         pre: FileDigest | None = None
         if self.config.digest_metadata and not self.store.metadata_on_complete:  # the digest goes with the creation
             pre = await self._hash_file(fd, plan) if chunks is None else \
                 FileDigest(plan.size, plan.part_size, combine(chunks))
-        journal, stale = await off_loop(self._upload_journal, fd, plan, key, path, if_absent, pre)
+        journal, stale = await off_loop(self._upload_journal, fd, plan, key, source.path, if_absent, pre)
         if stale:  # left by an earlier run of this upload whose source has changed since
             await self._abort_quietly(key, stale)
-        written = _written(fd)
         mpu = await self._resume(journal, key, plan, if_absent)
         if mpu is None:
             mpu = await self.start_upload(key, plan.part_size, pre.metadata() if pre else None, if_absent)
@@ -168,8 +220,10 @@ class Uploads(TransferSession):
                 results = await gather_all(self._send_part(fd, plan, i, mpu, journal, base, chunks)
                                            for i in range(plan.count))
             digest = FileDigest(plan.size, plan.part_size, combine([d for _, d in results]))
-            if (pre is not None and pre.digest != digest.digest) or _written(fd) != written:
-                raise IntegrityError(f"{path} changed while it was being uploaded to {key}")
+            if pre is not None and pre.digest != digest.digest:  # what the upload was created with is not what was sent
+                raise SourceChanged(f"{source.path} {'was rewritten' if source.snapshot else 'changed'} while it was "
+                                    f"being uploaded to {key}")
+            await self._check_source(source, plan, digest)
             meta = digest.metadata() if self.config.digest_metadata else None
             await mpu.complete([p for p, _ in results], meta)
         except AlreadyExistsError:
@@ -351,13 +405,19 @@ def _open_source(path: str) -> int:
         raise IsADirectoryError(f"source {path} is a directory; upload it as a directory") from None
 
 
-def _read_source(path: str, buf: memoryview, chunk: int) -> list[bytes]:
-    """On an I/O thread: all of file ``path`` read into ``buf`` (its size when listed) and its chunk digests."""
-    fd = _open_source(path)
-    try:
-        if os.fstat(fd).st_size != len(buf):
-            raise IntegrityError(f"{path} changed while it was being uploaded")
-        read_exact(fd, 0, buf)
-    finally:
-        os.close(fd)
+def _read_and_hash(fd: int, buf: memoryview, chunk: int) -> list[bytes]:
+    """On an I/O thread: the first ``len(buf)`` bytes of open file ``fd`` read into ``buf``, and their chunk digests
+    (EOFError when the file is shorter now)."""
+    read_exact(fd, 0, buf)
     return hash_chunks(buf, chunk) if len(buf) else []
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A file being uploaded: open as ``fd``, its (size, mtime) when opened, and how a change to it is taken."""
+
+    fd: int
+    path: str
+    key: str
+    opened: tuple[int, int]
+    snapshot: bool

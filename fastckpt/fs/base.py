@@ -232,7 +232,7 @@ class FastckptHandler(pafs.FileSystemHandler):
             transfer = Transfer(await self.store(bucket), self.config)
             try:
                 if upload:
-                    return await transfer.upload_files(items)
+                    return await transfer.upload_files(items, snapshot=True)
                 return await transfer.download_files(items, sizes={k: known[k] for k, _ in items if k in known})
             finally:
                 transfer.close()
