@@ -72,9 +72,12 @@ class FastckptHandler(pafs.FileSystemHandler):
         self.config = config or TransferConfig.from_env()
         self.store_wrapper = store_wrapper
         self._stores: dict[str, Store] = {}
+        """The stores opened so far (one dict for the handler's life: its finalizer closes what is in it)."""
         self._owner: tuple[int, object] | None = None
         self._lock = threading.Lock()
         _LIVE[id(self)] = self
+        # a handler dropped (Ray copies the filesystem into every task and actor) closes its clients
+        weakref.finalize(self, _close_dropped, self._stores, os.getpid()).atexit = False
 
     # ----------------------------------------------------------------------------- identity
 
@@ -105,7 +108,8 @@ class FastckptHandler(pafs.FileSystemHandler):
         owner = (os.getpid(), bg.loop)
         with self._lock:
             if self._owner != owner:  # first use, or a fork / new loop: old clients belong elsewhere
-                self._stores, self._owner = {}, owner
+                self._stores.clear()
+                self._owner = owner
         return bg.run(coro)
 
     async def store(self, bucket: str) -> Store:
@@ -123,7 +127,8 @@ class FastckptHandler(pafs.FileSystemHandler):
     def close(self, timeout: float | None = None) -> None:
         """Close the stores opened so far in this process (they are reopened on next use)."""
         with self._lock:
-            stores, self._stores = self._stores, {}
+            stores = dict(self._stores)
+            self._stores.clear()
             mine = self._owner is not None and self._owner[0] == os.getpid()
         if stores and mine:
             future = asyncio.run_coroutine_threadsafe(_close_stores(list(stores.values())), BackgroundLoop.get().loop)
@@ -253,6 +258,13 @@ async def _close_stores(stores: list[Store]) -> None:
     for store in stores:
         with contextlib.suppress(Exception):
             await store.close()
+
+
+def _close_dropped(stores: dict[str, Store], pid: int) -> None:
+    """A garbage-collected handler's ``stores`` closed on the background loop (not waited for: the collection may
+    run on any thread, that loop's included), so no client session is left for aiohttp to report unclosed."""
+    if stores and os.getpid() == pid:
+        asyncio.run_coroutine_threadsafe(_close_stores(list(stores.values())), BackgroundLoop.get().loop)
 
 
 _LIVE: weakref.WeakValueDictionary[int, FastckptHandler] = weakref.WeakValueDictionary()
