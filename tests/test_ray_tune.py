@@ -42,7 +42,9 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[dict[str, Any]
     assert proc.returncode == 0, err[-6000:]
     log = out + err
     assert "Unclosed" not in log, [line for line in log.splitlines() if "nclosed" in line or "client_session" in line]
-    assert not [line for line in log.splitlines() if "to storage" in line and "failed" in line], log[-4000:]
+    failed = [line for line in log.splitlines() if "failed" in line.lower() and ("sync" in line.lower()
+                                                                               or "storage" in line.lower())]
+    assert not failed, failed  # "Saving experiment state to storage ... failed", "Last sync command failed"
     return json.loads(out.strip().splitlines()[-1]), log
 
 
