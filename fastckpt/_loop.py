@@ -1,4 +1,4 @@
-"""Event loops: uvloop when installed, and one background loop thread for callers on foreign threads."""
+"""Event loops: uvloop when installed, and the one background loop thread that runs every blocking call."""
 
 from __future__ import annotations
 

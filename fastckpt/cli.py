@@ -270,7 +270,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
     transfer is cancelled, keeping what it stored for a resume (nothing incomplete becomes visible)."""
     _stopped_by.append("SIGTERM")
     handler = signal.getsignal(signal.SIGINT)
-    if callable(handler):  # asyncio.Runner's while a command runs: it cancels the main task
+    if callable(handler):  # Python's (KeyboardInterrupt), or the agent's asyncio.Runner's (it cancels the main task)
         handler(signal.SIGINT, frame)
     else:
         raise KeyboardInterrupt
