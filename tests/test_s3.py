@@ -645,20 +645,27 @@ def test_sync_calls_keep_one_store_per_location(moto_server, monkeypatch, tmp_pa
     connection pool); the same URI reaching another endpoint through the environment gets a store of its own."""
     from fastckpt.engine import open_stores as cache
 
+    def kept(endpoint: str) -> list:  # what earlier tests' blocking calls kept stays: only this location's counts
+        return [s for (_, config), s in cache._open.items() if config == fastckpt.TransferConfig.from_env()
+                and s.bucket == BUCKET and s.options.endpoint_url == endpoint]
+
     path, data = make_file(tmp_path, "step.bin", 3)
     base = f"s3://{BUCKET}/t-{uuid.uuid4().hex[:12]}"
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
-    before = dict(cache._open)
     for step in range(3):
         fastckpt.upload(path, f"{base}/step-{step}/w.bin")
         fastckpt.download(f"{base}/step-{step}/w.bin", tmp_path / f"back-{step}")
         assert (tmp_path / f"back-{step}").read_bytes() == data
-    [store] = [s for k, s in cache._open.items() if k not in before]
-    assert store.options.endpoint_url == moto_server.endpoint and store.client.data.started
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+        if step == 0:
+            first = kept(moto_server.endpoint)
+    [store] = kept(moto_server.endpoint)
+    assert [store] == first and store.client.data.started
+    other = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", other)
     with pytest.raises(StoreError, match="cannot reach S3 endpoint"):
         fastckpt.download(f"{base}/step-0/w.bin", tmp_path / "nowhere", config=small_config(retries=0))
-    assert len(cache._open) == len(before) + 2
+    assert len(kept(moto_server.endpoint)) == 1 and len([s for s in cache._open.values()
+                                                         if s.options.endpoint_url == other]) == 1
 
 
 def test_sync_api_with_env_endpoint(moto_server, monkeypatch, tmp_path) -> None:
