@@ -6,7 +6,6 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -47,9 +46,8 @@ class BackgroundLoop:
                 cls._instance = BackgroundLoop()
             return cls._instance
 
-    def run(self, coro: Coroutine[Any, Any, T], *, timeout: float | None = None) -> T:
-        """Run ``coro`` on the background loop and wait for its result (never on the loop thread); TimeoutError
-        after ``timeout`` seconds (the coroutine is then cancelled).
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the background loop and wait for its result (never on the loop thread).
 
         The wait wakes every ``WAKE_S``, so a signal that another thread took is handled that soon: the kernel
         hands a signal sent to the process to any thread, and one taken by a worker thread only marks Python's
@@ -62,8 +60,7 @@ class BackgroundLoop:
         if threading.current_thread() is self.thread:
             coro.close()
             raise RuntimeError("fastckpt: blocking call made from its own background loop thread")
-        result: concurrent.futures.Future[T] = concurrent.futures.Future()
-        ended = threading.Event()
+        result: concurrent.futures.Future[T] = concurrent.futures.Future()  # done once the task has ended
         tasks: list[asyncio.Task[T]] = []
 
         def start() -> None:
@@ -77,20 +74,15 @@ class BackgroundLoop:
                 result.set_exception(exc)
             else:
                 result.set_result(task.result())
-            ended.set()
 
         self.loop.call_soon_threadsafe(start)
-        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not result.done():
-                left = WAKE_S if deadline is None else min(WAKE_S, deadline - time.monotonic())
-                if left <= 0:
-                    raise TimeoutError(f"fastckpt: not done after {timeout} s")
-                concurrent.futures.wait([result], left)
+                concurrent.futures.wait([result], WAKE_S)
             return result.result()
         except BaseException:  # an interrupt while waiting: the coroutine does not go on alone
             self.loop.call_soon_threadsafe(lambda: tasks[0].cancel())  # after start(): the loop runs them in order
-            if not ended.wait(STOP_GRACE_S):
+            if not concurrent.futures.wait([result], STOP_GRACE_S).done:
                 log.warning("fastckpt: the interrupted call is still cleaning up after %.0f s; not waiting for it",
                             STOP_GRACE_S)
             raise

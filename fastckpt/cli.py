@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from . import __version__
-from ._loop import BackgroundLoop
+from ._loop import run_sync
 from .api import download, upload
 from .checkpoint import gc, list_checkpoints, verify
 from .config import TransferConfig, parse_size
@@ -83,7 +83,7 @@ def cmd_ls(args: argparse.Namespace) -> dict[str, object]:
         async with open_store(uri) as store:
             return [{"key": m.key, "size": m.size, "mtime": m.mtime} async for m in store.list(uri.key)]
 
-    return {"objects": BackgroundLoop.get().run(go())}
+    return {"objects": run_sync(go())}
 
 
 def cmd_verify(args: argparse.Namespace) -> dict[str, object]:
@@ -111,7 +111,7 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, object]:
             transfer.close()
             return out
 
-    results = BackgroundLoop.get().run(go())
+    results = run_sync(go())
     return {"ok": all(r["ok"] for r in results) and bool(results), "objects": results}
 
 

@@ -50,5 +50,5 @@ def _close_all() -> None:
             with contextlib.suppress(Exception):
                 await store.close()
 
-    with contextlib.suppress(Exception):
-        BackgroundLoop.get().run(close(), timeout=CLOSE_S)
+    with contextlib.suppress(Exception):  # as FastckptHandler.close: not waited for past CLOSE_S
+        asyncio.run_coroutine_threadsafe(close(), BackgroundLoop.get().loop).result(CLOSE_S)

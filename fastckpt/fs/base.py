@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import functools
 import os
@@ -131,9 +132,8 @@ class FastckptHandler(pafs.FileSystemHandler):
             self._stores.clear()
             mine = self._owner is not None and self._owner[0] == os.getpid()
         if stores and mine:
-            future = asyncio.run_coroutine_threadsafe(_close_stores(list(stores.values())), BackgroundLoop.get().loop)
             with contextlib.suppress(Exception):
-                future.result(timeout)
+                _close_soon(stores).result(timeout)
 
     # ----------------------------------------------------------------------------- what each half supplies
 
@@ -260,11 +260,16 @@ async def _close_stores(stores: list[Store]) -> None:
             await store.close()
 
 
+def _close_soon(stores: dict[str, Store]) -> concurrent.futures.Future[None]:
+    """Start closing ``stores`` on the background loop, where their connections live."""
+    return asyncio.run_coroutine_threadsafe(_close_stores(list(stores.values())), BackgroundLoop.get().loop)
+
+
 def _close_dropped(stores: dict[str, Store], pid: int) -> None:
-    """A garbage-collected handler's ``stores`` closed on the background loop (not waited for: the collection may
-    run on any thread, that loop's included), so no client session is left for aiohttp to report unclosed."""
+    """A garbage-collected handler's ``stores`` closed (not waited for: the collection may run on any thread, the
+    loop's included), so no client session is left for aiohttp to report unclosed."""
     if stores and os.getpid() == pid:
-        asyncio.run_coroutine_threadsafe(_close_stores(list(stores.values())), BackgroundLoop.get().loop)
+        _close_soon(stores)
 
 
 _LIVE: weakref.WeakValueDictionary[int, FastckptHandler] = weakref.WeakValueDictionary()
