@@ -2,7 +2,8 @@
 trials append to their event files): a file is taken as it is when it is opened. Through the pyarrow facade
 (``pyarrow.fs.copy_files``, what Ray and Tune call) and ``fastckpt cp`` a file that grows meanwhile is no error
 and arrives as a prefix of its source, on every backend; one rewritten throughout fails after a bounded number of
-reads, naming it; checkpoint saves stay strict, for one part and many alike."""
+reads, naming it; one renamed away before it is opened (a temporary file) is left out; checkpoint saves stay
+strict, for one part and many alike."""
 
 from __future__ import annotations
 
@@ -53,6 +54,29 @@ def growing(path: Path, start: int, every: float = 0.0002) -> Iterator[None]:
         writer.join()
 
 
+@contextmanager
+def renamed_into_place(path: Path) -> Iterator[None]:
+    """``path`` keeps being replaced the way Tune writes its state: a hidden temporary file, then a rename."""
+    path.write_bytes(b"{}")
+    stop = threading.Event()
+
+    def replace() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            tmp = path.with_name(f".{n}-tmp-{path.name}")
+            tmp.write_bytes(b"{\"n\": %d}" % n)
+            os.replace(tmp, path)
+
+    writer = threading.Thread(target=replace, daemon=True)
+    writer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        writer.join()
+
+
 def live_tree(root: Path, part: int) -> dict[str, bytes]:
     """40 small files that do not change; the growing ones are added by ``growing``."""
     files = {f"trial_{i % 4}/result-{i}.json": os.urandom(500 + i) for i in range(40)}
@@ -70,7 +94,7 @@ def test_live_directory_copies_through_the_facade(store_uri: str, tmp_path: Path
     src = tmp_path / "exp"
     still = live_tree(src, part)
     small, large = src / "trial_0" / "events.out.tfevents", src / "experiment_state.json"
-    with growing(small, 100), growing(large, 2 * part + 5):
+    with growing(small, 100), growing(large, 2 * part + 5), renamed_into_place(src / "basic-variant-state.json"):
         listed = []
         for i in range(5):
             listed.append((small.stat().st_size, large.stat().st_size))
@@ -100,6 +124,22 @@ def test_cp_of_a_live_directory(store_uri: str, tmp_path: Path) -> None:
     fastckpt.download(dst + query, out)
     copied = (out / "trial_1" / "events.out.tfevents").read_bytes()
     assert len(copied) >= 300 << 10 and copied == log.read_bytes()[:len(copied)]
+
+
+async def test_a_file_gone_before_it_is_opened_is_left_out_of_a_snapshot(tmp_path: Path) -> None:
+    """A listed file removed (or renamed away) before its upload opens it is no part of a snapshot copy; a checkpoint
+    save still fails naming it."""
+    present, gone = tmp_path / "state.json", tmp_path / ".1-tmp-state.json"
+    present.write_bytes(b"{}")
+    uri = f"memory://gone-{os.urandom(4).hex()}/x"
+    transfer = Transfer(fastckpt.open_store(uri, small_config()), small_config())
+    try:
+        results = await transfer.upload_files([(str(gone), "x/tmp"), (str(present), "x/state.json")], snapshot=True)
+        assert [r.key for r in results] == ["x/state.json"]
+        with pytest.raises(FileNotFoundError, match=f"source file {gone} does not exist"):
+            await transfer.upload_files([(str(gone), "x/tmp"), (str(present), "x/again.json")])
+    finally:
+        transfer.close()
 
 
 async def test_a_file_rewritten_throughout_fails_naming_it(tmp_path: Path) -> None:

@@ -42,9 +42,11 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[dict[str, Any]
     assert proc.returncode == 0, err[-6000:]
     log = out + err
     assert "Unclosed" not in log, [line for line in log.splitlines() if "nclosed" in line or "client_session" in line]
-    failed = [line for line in log.splitlines() if "failed" in line.lower() and ("sync" in line.lower()
-                                                                               or "storage" in line.lower())]
-    assert not failed, failed  # "Saving experiment state to storage ... failed", "Last sync command failed"
+    lines = log.splitlines()
+    failed = [i for i, line in enumerate(lines) if "failed" in line.lower() and ("sync" in line.lower()
+                                                                              or "storage" in line.lower())]
+    # "Saving experiment state to storage ... failed", "Last sync command failed": with the error that follows
+    assert not failed, "\n".join(lines[failed[0]:failed[0] + 90]) if failed else ""
     return json.loads(out.strip().splitlines()[-1]), log
 
 
@@ -79,5 +81,7 @@ def test_tune_syncs_a_live_experiment_and_restores_after_the_driver_is_killed(ba
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
     restored, log = finish(driver({**spec, "restore": True}))
-    assert restored["last"] == [STEPS - 1] * TRIALS and restored["errors"] == 0, restored
+    if restored["errors"]:
+        (tmp_path / "restore.log").write_text(log)
+    assert restored["last"] == [STEPS - 1] * TRIALS and restored["errors"] == 0, (restored, str(tmp_path))
     assert sum(start > 0 for start in restored["starts"]) >= 2, (restored, log[-3000:])

@@ -45,7 +45,8 @@ class Uploads(TransferSession):
     upload with ``IntegrityError`` naming the file. Snapshot (plain copies: ``fastckpt cp``, the filesystem
     facades, what Ray Tune syncs from a live experiment directory): a file that grew meanwhile is no error (its
     first bytes, checked, are what was sent); one rewritten or cut short is read again, up to ``SNAPSHOT_READS``
-    times, then fails naming it.
+    times, then fails naming it; one gone by the time it is opened (a temporary file renamed into place) is not
+    part of the snapshot and is left out of the results.
     """
 
     async def upload_files(self, pairs: list[tuple[str, str]], *, if_absent: bool = False,
@@ -59,29 +60,35 @@ class Uploads(TransferSession):
         ``snapshot``: files that change while they are sent are taken as the class says.
         """
         bases = bases or {}
-        sizes = []
-        for path, _ in pairs:
+        sizes: dict[tuple[str, str], int] = {}
+        for path, key in pairs:
             try:
-                sizes.append(os.stat(path).st_size)
+                sizes[path, key] = os.stat(path).st_size
             except FileNotFoundError:
-                raise FileNotFoundError(f"source file {path} does not exist") from None
-        self.progress.expect(sum(sizes))
+                if not snapshot:
+                    raise FileNotFoundError(f"source file {path} does not exist") from None
+                sizes[path, key] = 0  # gone: left out when it cannot be opened either
+        self.progress.expect(sum(sizes.values()))
         failed = asyncio.Event()  # set when one file failed: the others are then cancelled, not interrupted
-        return await gather_all((self._upload_counted(p, k, if_absent, failed, size, sum(sizes), bases.get(k),
-                                                      snapshot) for (p, k), size in zip(pairs, sizes, strict=True)),
-                                failed)
+        results = await gather_all((self._upload_counted(p, k, if_absent, failed, size, sum(sizes.values()),
+                                                         bases.get(k), snapshot) for (p, k), size in sizes.items()),
+                                   failed)
+        return [r for r in results if r is not None]
 
     async def upload_file(self, path: str, key: str, *, if_absent: bool = False) -> FileResult:
         """Upload one file (progress total grows by its size)."""
         return (await self.upload_files([(path, key)], if_absent=if_absent))[0]
 
     async def _upload_counted(self, path: str, key: str, if_absent: bool, failed: asyncio.Event, size: int,
-                              batch: int, base: BaseObject | None, snapshot: bool) -> FileResult:
+                              batch: int, base: BaseObject | None, snapshot: bool) -> FileResult | None:
+        """The upload of ``path``; None when a snapshot finds it gone."""
         async with self._files:
             for read in range(1, SNAPSHOT_READS + 1):
                 try:
-                    digest, chunks = await self._upload_opened(path, key, if_absent, failed, size, batch, base,
-                                                               snapshot)
+                    taken = await self._upload_opened(path, key, if_absent, failed, size, batch, base, snapshot)
+                    if taken is None:
+                        return None
+                    digest, chunks = taken
                     break
                 except SourceChanged as exc:
                     if not snapshot:
@@ -92,9 +99,18 @@ class Uploads(TransferSession):
         return FileResult(key, path, digest, tuple(chunks), self.reuse.copied.get(key, 0))
 
     async def _upload_opened(self, path: str, key: str, if_absent: bool, failed: asyncio.Event, size: int,
-                             batch: int, base: BaseObject | None, snapshot: bool) -> tuple[FileDigest, list[bytes]]:
-        """Open ``path``, then upload it as it is now (its size when listed was ``size``)."""
-        fd = await off_loop(_open_source, path, undo=os.close)
+                             batch: int, base: BaseObject | None, snapshot: bool
+                             ) -> tuple[FileDigest, list[bytes]] | None:
+        """Open ``path``, then upload it as it is now (its size when listed was ``size``); None when a snapshot finds
+        it gone (removed or renamed since it was listed: a live directory's temporary files)."""
+        try:
+            fd = await off_loop(_open_source, path, undo=os.close)
+        except FileNotFoundError:
+            if not snapshot:
+                raise
+            log.info("%s is gone (removed or renamed since it was listed): not uploaded", path)
+            self.progress.expect(-size)
+            return None
         try:
             opened = _written(fd)
             if opened[0] != size:
