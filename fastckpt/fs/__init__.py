@@ -53,6 +53,17 @@ class FacadeFileSystem(pafs.PyFileSystem):
     def __reduce__(self) -> tuple[type, tuple[FastckptHandler]]:
         return FacadeFileSystem, (self.handler,)
 
+    def close(self) -> None:
+        """Close the clients this facade opened (a later call opens them again); a facade that is garbage-collected
+        closes them too."""
+        self.handler.close()
+
+    def __enter__(self) -> FacadeFileSystem:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def filesystem(uri: str, config: TransferConfig | None = None, *,
                store_wrapper: StoreWrapper | None = None) -> pafs.FileSystem:
