@@ -1,6 +1,6 @@
 """The facade and the fsspec face close every client session they open: on ``close()`` or a ``with`` block, when a
-copy is garbage-collected (Ray copies the filesystem into every task and actor), and at interpreter exit, without
-aiohttp's "Unclosed client session" error."""
+copy is garbage-collected (Ray copies the filesystem into every task and actor), and at interpreter exit (with
+``fastckpt.torch``'s too), without aiohttp's "Unclosed client session" error."""
 
 from __future__ import annotations
 
@@ -115,6 +115,9 @@ print([k.get_file_info(base + "/c").size for k in kept])
 plain, _, query = uri.partition("?")
 other = fsspec.filesystem("fastckpt", skip_instance_cache=True, **dict(p.split("=", 1) for p in query.split("&") if p))
 print(other.cat_file(plain + "/c"))
+import torch, fastckpt.torch as ft
+ft.save({"w": torch.arange(10)}, f"{plain}/step-1?{query}")
+print(int(ft.load(f"{plain}/step-1?{query}")["w"].sum()))
 """
 
 
