@@ -60,18 +60,18 @@ class Uploads(TransferSession):
         ``snapshot``: files that change while they are sent are taken as the class says.
         """
         bases = bases or {}
-        sizes: dict[tuple[str, str], int] = {}
-        for path, key in pairs:
+        sizes = []
+        for path, _ in pairs:
             try:
-                sizes[path, key] = os.stat(path).st_size
+                sizes.append(os.stat(path).st_size)
             except FileNotFoundError:
                 if not snapshot:
                     raise FileNotFoundError(f"source file {path} does not exist") from None
-                sizes[path, key] = 0  # gone: left out when it cannot be opened either
-        self.progress.expect(sum(sizes.values()))
+                sizes.append(0)  # gone: left out when it cannot be opened either
+        self.progress.expect(sum(sizes))
         failed = asyncio.Event()  # set when one file failed: the others are then cancelled, not interrupted
-        results = await gather_all((self._upload_counted(p, k, if_absent, failed, size, sum(sizes.values()),
-                                                         bases.get(k), snapshot) for (p, k), size in sizes.items()),
+        results = await gather_all((self._upload_counted(p, k, if_absent, failed, size, sum(sizes), bases.get(k),
+                                                         snapshot) for (p, k), size in zip(pairs, sizes, strict=True)),
                                    failed)
         return [r for r in results if r is not None]
 
