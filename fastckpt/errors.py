@@ -44,7 +44,7 @@ class TransientStoreError(StoreError):
 
 class ThrottledError(TransientStoreError):
     """The service asked for fewer requests (503 SlowDown, 429, Azure ServerBusy): retried, and the request
-    concurrency towards it lowered (``stores.throttle``)."""
+    concurrency towards it lowered (``stores.concurrency``)."""
 
 
 class ObjectNotFoundError(StoreError, FileNotFoundError):

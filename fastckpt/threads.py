@@ -13,7 +13,9 @@ from typing import TypeVar
 
 T = TypeVar("T")
 _IO_THREADS = 16
-_SOCKET_THREADS = 32
+_SOCKET_THREADS = 256
+"""One per request moving a body between a socket and a file, up to what a transfer may have in flight (started as
+needed): on a slow link each holds its thread for seconds."""
 _IO = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="fastckpt-io")
 _SOCKETS = ThreadPoolExecutor(max_workers=_SOCKET_THREADS, thread_name_prefix="fastckpt-socket")
 _io_started = threading.Event()

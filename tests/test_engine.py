@@ -109,21 +109,52 @@ async def test_flipped_byte_raises_integrity_error(inner: str, data_file, tmp_pa
 async def test_memory_stays_bounded_by_pool(tmp_path) -> None:
     path = tmp_path / "f"
     path.write_bytes(os.urandom(20 * MiB))
-    config = small_config(part_size=MiB, multipart_threshold=MiB, max_in_flight=3)
+    config = small_config(part_size=MiB, multipart_threshold=MiB, max_in_flight=64, memory_limit=3 * MiB)
     transfer = Transfer(MemoryStore("bounded"), config)
     await transfer.upload_file(str(path), "f")
     await transfer.download_file("f", str(tmp_path / "g"))
-    assert transfer.pool.allocated <= 3  # 40 parts moved through at most 3 buffers
+    assert transfer.ring == MiB and transfer.pool.peak <= 3 * MiB  # 40 parts and ranges moved through 3 MiB
 
 
-async def test_pool_replaces_small_buffers() -> None:
-    pool = BufferPool(1024, 2)
-    async with pool.buffer(100) as a:
+async def test_pool_reuses_and_replaces_buffers_within_its_limit() -> None:
+    pool = BufferPool(MiB, limit=2 * MiB)
+    async with pool.buffer(100) as a:  # small: a 64 KiB buffer, reused for what fits it
         assert len(a) == 100
     async with pool.buffer(4096) as b:
         assert len(b) == 4096
     assert pool.allocated == 1
+    async with pool.buffer(MiB), pool.buffer(MiB):  # the free 64 KiB buffer is unmapped to make room
+        assert pool.allocated == 2 and pool.peak <= 2 * MiB
+    async with pool.buffer(3 * MiB) as big:  # larger than the limit: served while nothing else is lent
+        assert len(big) == 3 * MiB
     pool.close()
+    assert pool.allocated == 0
+
+
+async def test_pool_lends_in_turn_within_its_limit_and_count() -> None:
+    pool, order, lent = BufferPool(MiB, limit=2 * MiB, count=3), [], []
+
+    async def hold(name: str, nbytes: int) -> None:
+        async with pool.buffer(nbytes):
+            order.append(name)
+            lent.append(pool.peak)
+            await asyncio.sleep(0.01)
+
+    await asyncio.gather(hold("a", MiB), hold("b", MiB), hold("big", 2 * MiB), hold("small", 64 << 10))
+    assert order == ["a", "b", "big", "small"]  # the small one waited its turn behind the big one
+    assert max(lent) <= 2 * MiB
+    small = BufferPool(MiB, limit=1 << 30, count=3)
+    held = 0
+
+    async def count() -> None:
+        nonlocal held
+        async with small.buffer(4096):
+            held += 1
+            assert held <= 3
+            await asyncio.sleep(0.01)
+            held -= 1
+
+    await asyncio.gather(*(count() for _ in range(10)))
 
 
 async def test_progress_reaches_total(data_file, tmp_path) -> None:

@@ -1,5 +1,5 @@
 """Throttling adapts: a store that answers 503 SlowDown / 429 / ServerBusy gets fewer requests at once
-(``stores.throttle``), and more again once its answers are good, so a transfer through it completes at the rate
+(``stores.concurrency``), and more again once its answers are good, so a transfer through it completes at the rate
 it allows instead of burning its retries."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fastckpt import ThrottledError, TransientStoreError
 from fastckpt.stores.azure.errors import ERRORS as AZURE_ERRORS
 from fastckpt.stores.classify import classify
 from fastckpt.stores.s3.errors import ERRORS as S3_ERRORS
-from fastckpt.stores.throttle import BACKOFF, AdaptiveLimit
+from fastckpt.stores.concurrency import BACKOFF, AdaptiveLimit
 from harness.proxy import FaultProxy
 from harness.uris import emulator_uri
 

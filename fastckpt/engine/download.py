@@ -19,7 +19,7 @@ from .journal import Journal
 from .partial import close_partial, open_partial
 from .plan import Plan, plan_copy, plan_download
 from .session import FileResult, TransferSession
-from .sink import RING, RingSink, copy_and_hash, hash_file_range
+from .sink import RingSink, copy_and_hash, hash_file_range
 
 log = logging.getLogger("fastckpt")
 
@@ -28,13 +28,16 @@ class Downloads(TransferSession):
     """Downloads of objects to local files."""
 
     async def download_files(self, pairs: list[tuple[str, str]], expected: dict[str, FileDigest] | None = None,
-                             sizes: dict[str, int] | None = None) -> list[FileResult]:
+                             sizes: dict[str, int] | None = None, metas: dict[str, ObjectMeta] | None = None
+                             ) -> list[FileResult]:
         """Download ``(key, local path)`` pairs concurrently; digests from ``expected`` or metadata. ``sizes``
-        (from a listing) let an object of one part come with its metadata in a single request."""
-        expected, sizes = expected or {}, sizes or {}
+        (from a listing) let an object of one part come with its metadata in a single request; ``metas`` (from a
+        ``head`` already made) spare the request for them."""
+        expected, metas = expected or {}, metas or {}
+        sizes = {**(sizes or {}), **{k: m.size for k, m in metas.items()}}
         batch = sum(expected[k].size if k in expected else sizes.get(k, 0) for k, _ in pairs)
         failed = asyncio.Event()  # set when one file failed: the others are then cancelled, not interrupted
-        return await gather_all((self._download(k, p, expected.get(k), sizes.get(k), failed, batch)
+        return await gather_all((self._download(k, p, expected.get(k), sizes.get(k), failed, batch, metas.get(k))
                                  for k, p in pairs), failed)
 
     async def download_file(self, key: str, path: str, expected: FileDigest | None = None) -> FileResult:
@@ -42,9 +45,11 @@ class Downloads(TransferSession):
         return (await self.download_files([(key, path)], {key: expected} if expected else None))[0]
 
     async def _download(self, key: str, path: str, expected: FileDigest | None, size: int | None,
-                        failed: asyncio.Event, batch: int = 0) -> FileResult:
+                        failed: asyncio.Event, batch: int = 0, meta: ObjectMeta | None = None) -> FileResult:
         async with self._files:
             size = expected.size if expected is not None else size
+            if meta is not None and meta.size > self.config.part_size:
+                return await self._write(key, path, meta, expected, failed, batch=batch)
             if (size is not None and 0 < size <= self.config.part_size
                     and self.store.local_file(key) is None):  # one GET: the object and its metadata (local: a copy)
                 async with self.pool.buffer(size) as buf:
@@ -63,7 +68,7 @@ class Downloads(TransferSession):
             raise IntegrityError(f"{key}: size is {meta.size}, its record says {expected.size}")
         recorded = expected.chunk_size if expected else None
         if self.store.local_file(key) is None:
-            plan = plan_download(meta.size, recorded, self.config, batch=batch)
+            plan = plan_download(meta.size, recorded, self.config, batch=batch, ranges=self.planned_requests())
         else:
             plan = plan_copy(meta.size, recorded, self.config, batch=batch, slots=self._copy_slots)
         if log.isEnabledFor(logging.DEBUG):
@@ -160,7 +165,7 @@ class Downloads(TransferSession):
             if digests is not None and ",".join(d.hex() for d in digests) == done.get("digests"):
                 self.progress.advance(length)
                 return digests
-        async with self.rings.buffer(RING) as ring:
+        async with self.pool.buffer(self.ring) as ring:
             sink = RingSink(key, fd, writer, offset, length, ring, chunk)
             digests = await sink.receive(self.store.receive(key, offset, length, sink))
         if journal is not None:
@@ -176,12 +181,12 @@ class Downloads(TransferSession):
             raise IntegrityError(f"{key}: no recorded digest to verify against")
         if expected.size != meta.size:
             raise IntegrityError(f"{key}: size is {meta.size}, its record says {expected.size}")
-        plan = plan_download(meta.size, expected.chunk_size, self.config)
+        plan = plan_download(meta.size, expected.chunk_size, self.config, ranges=self.planned_requests())
         self.progress.expect(meta.size)
 
         async def part(index: int) -> list[bytes]:
             offset, length = plan.part(index)
-            async with self.rings.buffer(RING) as ring:
+            async with self.pool.buffer(self.ring) as ring:
                 sink = RingSink(key, None, threading.Lock(), offset, length, ring, expected.chunk_size)
                 digests = await sink.receive(self.store.receive(key, offset, length, sink))
             self.progress.advance(length)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..config import TransferConfig
 from ..stores.base import Store
+from ..stores.concurrency import start_limit
 
 MiB = 1 << 20
 MAX_RANGE = 128 * MiB
@@ -43,13 +44,15 @@ def plan_upload(size: int, config: TransferConfig, store: Store) -> Plan:
 
 
 def plan_download(size: int, chunk_size: int | None, config: TransferConfig, *, batch: int = 0,
-                  longest: int = MAX_RANGE) -> Plan:
-    """Read requests aligned to the recorded chunk size: ``config.range_size``, else about a ``max_in_flight``-th
-    of the file, or of the ``batch`` of files it comes down with, from ``part_size`` on; at most ``longest``
+                  longest: int = MAX_RANGE, ranges: int = 0) -> Plan:
+    """Read requests aligned to the recorded chunk size: ``config.range_size``, else the file, or the ``batch`` of
+    files it comes down with, cut into ``ranges`` (the endpoint's ``planned_requests()``; 0: as many as requests
+    start in flight), from ``part_size`` on; at most ``longest``
     (received through a small ring, a long range costs no more memory, and a server less CPU per byte; a reader
     that holds whole parts passes ``part_size``). A killed download resumes range by range."""
     chunk = chunk_size or config.part_size
-    target = config.range_size or max(config.part_size, max(size, batch) // max(1, config.max_in_flight))
+    ranges = ranges or start_limit(config.target_throughput, config.max_in_flight)
+    target = config.range_size or max(config.part_size, max(size, batch) // ranges)
     target = min(longest, target)
     return Plan(size, chunk * max(1, target // chunk), True)
 

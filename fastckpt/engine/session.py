@@ -16,7 +16,7 @@ from ..threads import start_io_threads
 from .pool import BufferPool
 from .progress import Progress, ProgressCallback
 from .reuse import Reuse
-from .sink import RING
+from .sink import RING, SLICE
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,11 @@ class TransferSession:
         start_io_threads()
         self.config = config or TransferConfig.from_env()
         self.store = retrying(store, self.config)
-        self.pool = BufferPool(self.config.part_size, self.config.max_in_flight)
-        self.rings = BufferPool(RING, self.config.max_in_flight)
-        """Ring buffers of the ranges being received (``engine.sink``)."""
+        self.pool = BufferPool(self.config.part_size, self.config.memory_limit, self.config.max_in_flight)
+        """Parts read into memory, small files, and the ring buffers of ranges being received (``engine.sink``)."""
+        share = self.config.memory_limit // max(1, self.config.max_in_flight)
+        self.ring = max(SLICE, min(RING, share // SLICE * SLICE))
+        """Bytes of ring per range being received: ``max_in_flight`` of them fit in ``memory_limit``."""
         self.progress = Progress(progress)
         self._files = asyncio.Semaphore(self.config.max_open_files)
         self._dirs: set[str] = set()
@@ -60,7 +62,10 @@ class TransferSession:
     def close(self) -> None:
         """Release pooled buffers."""
         self.pool.close()
-        self.rings.close()
+
+    def planned_requests(self) -> int:
+        """How many requests to cut a transfer on this session's endpoint into (``AdaptiveLimit.planned``)."""
+        return self.store.planned_requests()
 
     async def keys_below(self, prefix: str) -> list[tuple[str, str, int]]:
         """(key, path relative to ``prefix``, size) of every object below ``prefix``; error when none."""

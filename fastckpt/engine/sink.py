@@ -33,7 +33,7 @@ STEP = 256 << 10
 CPU's cache (4 GiB downloads, two sets of alternating runs: 1 MiB steps cost the client 1.2-1.5x the CPU, most
 of it in that copy)."""
 RING = 8 << 20
-"""Bytes of ring buffer per range being received."""
+"""Bytes of ring buffer per range being received, at most (``TransferSession.ring``)."""
 COPY_SLICE = 4 << 20
 """Bytes per step of a local copy (1 GiB of a checkpoint: 4 MiB steps 0.56 s, 1 MiB steps 0.72 s, measured)."""
 PIPE = 1 << 20

@@ -1,7 +1,7 @@
 """Streamed transfers on the store protocol, for callers that write or read an object piece by piece.
 
 - ``StreamWriter`` turns writes of any size into parallel part uploads of one object. Memory is a
-  per-stream ``BufferPool`` (part size x ``max_in_flight`` buffers): the caller waits for a free
+  per-stream ``BufferPool`` (``config.stream_memory``, at most ``max_in_flight`` buffers): the caller waits for a free
   buffer when every one is in flight. The object appears only on ``close()``; any failure aborts the
   multipart upload and is raised from the next call. Objects smaller than one part go as one put.
 - ``StreamReader`` serves sequential readers from a window of parts fetched in parallel ahead of
@@ -76,7 +76,7 @@ class StreamWriter:
         self.store, self.key, self.config = retrying(store, config), key, config
         self.metadata = dict(metadata or {})
         self.part_size = plan_upload(0, config, store).part_size
-        self.pool = BufferPool(self.part_size, max(1, config.max_in_flight))
+        self.pool = BufferPool(self.part_size, config.stream_memory, max(1, config.max_in_flight))
         self.size = 0
         self.digest: FileDigest | None = None
         self.state = "open"
@@ -256,8 +256,8 @@ class StreamReader:
                              longest=config.part_size)
         self.part_size, self.count = plan.part_size, plan.count
         self.chunk_size = self.expected.chunk_size if self.expected else plan.part_size
-        self.window = max(1, config.max_in_flight)
-        self.pool = BufferPool(self.part_size, self.window + 1)
+        self.window = max(1, min(config.max_in_flight, config.stream_memory // self.part_size - 1))
+        self.pool = BufferPool(self.part_size, (self.window + 1) * self.part_size, self.window + 1)
         self._parts: dict[int, asyncio.Task[_Lease]] = {}
         self._digests: dict[int, list[bytes]] = {}
         self._closed = False
@@ -273,7 +273,7 @@ class StreamReader:
         """Part ``index`` whole; ``wanted``: how many parts from ``index`` on the caller is about to read.
 
         Parts are fetched ahead, in parallel: all the ``wanted`` ones, and a window that doubles with
-        each part read in order (up to ``max_in_flight``), so a small read costs one part. The view is
+        each part read in order (up to what ``config.stream_memory`` holds), so a small read costs one part. The view is
         valid until the next ``part``/``close`` call (parts outside the window are released). When every
         part was read, the digest is checked before the last part is handed out."""
         if self._closed:

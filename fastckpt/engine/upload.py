@@ -359,21 +359,48 @@ class Uploads(TransferSession):
 
     async def _send_from_file(self, fd: int, offset: int, length: int, index: int, mpu: MultipartUpload,
                               journal: Journal | None) -> tuple[PartInfo, bytes] | None:
-        """Part ``index`` hashed through a mapping and sent from the file; None (and no more parts sent this way
-        in this session) where the file's filesystem cannot be mapped or sent from."""
+        """Part ``index`` sent from the file while it is hashed through a mapping (the hash is off the critical path:
+        what it covers is checked against the file's size and modification time before the upload completes); None
+        (and no more parts sent this way in this session) where the file's filesystem cannot be mapped or sent from.
+        A part an earlier run of this upload may have stored is hashed first, to compare."""
         async with self._file_parts:
+            if journal is not None and journal.resumed and index in journal.parts:
+                try:
+                    digest = await self._hash_range(fd, offset, length)
+                    return await self._put_part(index, FileRange(fd, offset, length), digest, mpu, journal), digest
+                except (OSError, SendfileUnsupported) as exc:
+                    return self._fallen_back(exc)
+            hashing = asyncio.ensure_future(self._hash_range(fd, offset, length))
             try:
-                digests = await off_loop(hash_file_range, fd, offset, length, length)
+                info = await mpu.put_part(index, FileRange(fd, offset, length))
+            except BaseException as exc:
+                await asyncio.gather(hashing, return_exceptions=True)
+                if isinstance(exc, SendfileUnsupported):
+                    return self._fallen_back(exc)
+                raise
+            try:
+                digest = await hashing
             except OSError as exc:
-                if exc.errno not in _NO_MAPPING:
-                    raise
-                return self._from_buffers(exc)
-            if not digests:
-                raise EOFError(f"end of file before byte {offset + length}")
-            try:
-                return await self._put_part(index, FileRange(fd, offset, length), digests[0], mpu, journal), digests[0]
-            except SendfileUnsupported as exc:
-                return self._from_buffers(exc)
+                self._fallen_back(exc)
+                async with self.pool.buffer(length) as buf:  # sent already: its digest from a read
+                    digest = await off_loop(read_and_hash, fd, offset, buf)
+            if journal is not None:
+                journal.record(index, token=info.token, digest=digest.hex())
+            return info, digest
+
+    async def _hash_range(self, fd: int, offset: int, length: int) -> bytes:
+        """The digest of ``length`` bytes at ``offset`` of ``fd``, hashed through a mapping (EOFError if shorter)."""
+        digests = await off_loop(hash_file_range, fd, offset, length, length)
+        if not digests:
+            raise EOFError(f"end of file before byte {offset + length}")
+        return digests[0]
+
+    def _fallen_back(self, exc: OSError | SendfileUnsupported) -> None:
+        """Send every part from here on from a buffer where ``exc`` says the file cannot be mapped or sent from;
+        raise anything else."""
+        if isinstance(exc, OSError) and exc.errno not in _NO_MAPPING:
+            raise exc
+        self._from_buffers(exc)
 
     def _from_buffers(self, cause: Exception) -> None:
         """Send every part from here on from a buffer."""

@@ -25,6 +25,7 @@ The policy per operation:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import random
 import sys
@@ -37,12 +38,12 @@ from ..errors import ThrottledError, TransientStoreError
 from ..transport import Buffer, FileRange, Receiver, body_size
 from .base import CopySource, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
 from .classify import EndpointUnreachableError
-from .throttle import AdaptiveLimit, endpoint_limit
+from .concurrency import AdaptiveLimit, endpoint_limit, start_limit
 
 T = TypeVar("T")
 log = logging.getLogger("fastckpt")
-UNBOUNDED = 1 << 16
-"""An endpoint's request limit before it throttles: no bound (the engine's own limits hold)."""
+_HOLDING: contextvars.ContextVar[frozenset[AdaptiveLimit]] = contextvars.ContextVar("holding", default=frozenset())
+"""The endpoint limits whose slot the running request holds (a store wrapped twice takes one slot a request)."""
 
 
 def backoff(config: TransferConfig, attempt: int) -> float:
@@ -107,8 +108,14 @@ class RetryingStore(Store):
         """This endpoint's request limit in the running loop (looked up once per loop)."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop or self._loop_limit is None:
-            self._loop, self._loop_limit = loop, endpoint_limit(self.location, UNBOUNDED)
+            config = self.config
+            self._loop, self._loop_limit = loop, endpoint_limit(
+                self.location, config.max_in_flight, start_limit(config.target_throughput, config.max_in_flight))
         return self._loop_limit
+
+    def planned_requests(self) -> int:
+        """How many requests to cut a transfer on this endpoint into (``AdaptiveLimit.planned``)."""
+        return self._limit().planned()
 
     def __getattr__(self, name: str) -> Any:  # backend specifics (bucket, endpoint, client ...)
         inner = self.__dict__.get("inner")
@@ -132,21 +139,26 @@ class RetryingStore(Store):
     def uri(self, key: str = "") -> str:
         return self.inner.uri(key)
 
-    async def retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
-        """``op()`` retried per the module's policy, each attempt holding a request slot of this endpoint's
-        adaptive limit (``stores.throttle``), which a throttled answer lowers."""
+    async def retry(self, what: str, op: Callable[[], Awaitable[T]], nbytes: int = 0) -> T:
+        """``op()`` (a request moving ``nbytes``) retried per the module's policy, each attempt holding a request slot
+        of this endpoint's adaptive limit (``stores.concurrency``), which learns from the time of its answer."""
         limit = self._limit()
 
         async def attempt() -> T:
+            if limit in _HOLDING.get():  # a wrapper of this store holds the request's slot already
+                return await op()
             granted = await limit.acquire()
+            holding = _HOLDING.set(_HOLDING.get() | {limit})
+            started = time.monotonic()
             try:
                 result = await op()
             except ThrottledError:
                 limit.throttled(granted)
                 raise
             else:
-                limit.succeeded()
+                limit.succeeded(nbytes, time.monotonic() - started)
             finally:
+                _HOLDING.reset(holding)
                 limit.release()
             return result
 
@@ -167,7 +179,7 @@ class RetryingStore(Store):
 
     async def retry_data(self, what: str, size: int, op: Callable[[], Awaitable[T]]) -> T:
         """A request moving ``size`` bytes: each attempt under its deadline (``within_deadline``)."""
-        return await self.retry(what, lambda: within_deadline(op, self.config, size, what))
+        return await self.retry(what, lambda: within_deadline(op, self.config, size, what), size)
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
         return await self.retry_data(f"read of {key}", length, lambda: self.inner.get_range(key, start, length))
@@ -292,6 +304,6 @@ class _RetryingUpload(MultipartUpload):
                                        lambda: self._inner.stored_part(index, size, token, digest))
 
 
-def retrying(store: Store, config: TransferConfig) -> Store:
+def retrying(store: Store, config: TransferConfig) -> RetryingStore:
     """``store`` with retries: itself when it already is a RetryingStore, else wrapped in one."""
     return store if isinstance(store, RetryingStore) else RetryingStore(store, config)
