@@ -16,8 +16,8 @@ import fastckpt
 from fastckpt import ThrottledError, TransientStoreError
 from fastckpt.stores.azure.errors import ERRORS as AZURE_ERRORS
 from fastckpt.stores.classify import classify
-from fastckpt.stores.s3.errors import ERRORS as S3_ERRORS
 from fastckpt.stores.concurrency import BACKOFF, AdaptiveLimit
+from fastckpt.stores.s3.errors import ERRORS as S3_ERRORS
 from harness.proxy import FaultProxy
 from harness.uris import emulator_uri
 
