@@ -246,6 +246,11 @@ def plan_small_files(count: int, seed: int = 0) -> CheckpointPlan:
     return CheckpointPlan(scaled_shape(1), 1, files)
 
 
+def plan_one_file(size: int) -> CheckpointPlan:
+    """One file of random bytes of ``size`` (a consolidated checkpoint, a single large object)."""
+    return CheckpointPlan(scaled_shape(1), 1, (FilePlan("model.bin", random_size=size),))
+
+
 def generate(out_dir: str, size: int, *, ranks: int = 4, model_shards: int = 4, seed: int = 0,
              plan: CheckpointPlan | None = None) -> CheckpointPlan:
     """Write a synthetic checkpoint of about ``size`` bytes (or the files of ``plan``) into ``out_dir``

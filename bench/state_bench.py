@@ -3,6 +3,7 @@
     python -m bench.state_bench --target local --params 250M --rounds 3
     python -m bench.state_bench --target s3 --params 250M --rounds 3          # JuiceFS S3 gateway on 127.0.0.1
     python -m bench.state_bench --target s3 --device cuda ...                 # state on the GPU
+    python -m bench.state_bench --target s3 --link far ...                    # through an emulated cloud link
 
 The state is a Llama-shaped model (bf16 weights) with fp32 Adam moments, 10 bytes per parameter. Each
 engine saves and loads it in its own process, rounds interleaved. Measured per save: ``blocked_s`` (until
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 import zlib
+from dataclasses import asdict
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +43,7 @@ if REPO not in sys.path:
 
 from bench.juicefs import JuiceFSGateway, delete_prefix  # noqa: E402
 from bench.worker import vm_hwm_mib  # noqa: E402
+from harness.link import PROFILES, LinkProcess  # noqa: E402
 
 ENGINES = {"local": ["fastckpt", "fastckpt-dcp", "torch.save", "dcp"],
            "s3": ["fastckpt", "fastckpt-dcp", "torch.save", "dcp", "dcp-fsspec", "s3torchconnector"]}
@@ -357,10 +360,17 @@ def run_worker(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
         return json.load(out)
 
 
-def timed_worker(spec: dict[str, Any], env: dict[str, str], gateway: JuiceFSGateway | None) -> dict[str, Any]:
-    """``run_worker``, plus the CPU seconds the S3 server spent meanwhile (it shares the host's cores)."""
+def timed_worker(spec: dict[str, Any], env: dict[str, str], gateway: JuiceFSGateway | None,
+                 link: str | None = None) -> dict[str, Any]:
+    """``run_worker``, plus the CPU seconds the S3 server spent meanwhile (it shares the host's cores); with
+    ``link``, through a fresh emulated link of that profile (its request count recorded)."""
     before = gateway.cpu_seconds() if gateway is not None else 0.0
-    out = run_worker(spec, env)
+    if link and gateway is not None:
+        with LinkProcess(int(gateway.endpoint.rsplit(":", 1)[1]), link) as emulator:
+            out = run_worker({**spec, "endpoint": emulator.url}, {**env, **s3_env(emulator.url)})
+        out["requests"] = emulator.stats.get("requests")
+    else:
+        out = run_worker(spec, env)
     if gateway is not None:
         out["server_cpu_s"] = gateway.cpu_seconds() - before
     return out
@@ -382,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--engines", default=None, help="comma-separated subset of " + ", ".join(ENGINES["s3"]))
+    ap.add_argument("--link", choices=sorted(PROFILES), default=None,
+                    help="every save and load through the link emulator with this profile (harness/link.py; s3 only)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -411,8 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                         "root": os.path.join(work, "store"), "scratch": os.path.join(work, "scratch"),
                         "name": f"ckpt-{engine.replace('.', '-')}", "endpoint": gateway.endpoint if gateway else ""}
                 clear(spec, gateway)
-                saved = timed_worker({**spec, "op": "save"}, env, gateway)
-                loaded = timed_worker({**spec, "op": "load"}, env, gateway) if "error" not in saved \
+                saved = timed_worker({**spec, "op": "save"}, env, gateway, args.link)
+                loaded = timed_worker({**spec, "op": "load"}, env, gateway, args.link) if "error" not in saved \
                     else {"error": "not saved"}
                 runs.append({"round": rnd, "engine": engine, "save": saved, "load": loaded})
                 print(f"round {rnd} {engine:18s} save {fmt(saved, 'blocked_s')} / {fmt(saved, 'commit_s')}  "
@@ -426,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"target": args.target, "params": params, "device": args.device, "runs": runs}, f, indent=1)
+            json.dump({"target": args.target, "params": params, "device": args.device, "runs": runs,
+                       "link": args.link and asdict(PROFILES[args.link])}, f, indent=1)
     return 0 if all("error" not in r["save"] and "error" not in r["load"] and not r["load"].get("problems")
                     for r in runs) else 1
 

@@ -123,13 +123,13 @@ def cmd_gc(args: argparse.Namespace) -> dict[str, object]:
 
 def cmd_agent(args: argparse.Namespace) -> dict[str, object]:
     from .tier import Tier, run_agent
-    from .tier.agent import agent_pid
+    from .tier.agent import agent_pid, oldest_queued_s
     from .tier.handoff import handoffs
 
     tier = Tier(args.tier, args.keep)
     served = False if args.status else run_agent(tier, args.idle, _config(args), args.lock_fd)
     return {"tier": tier.root, "served": served, "agent_pid": agent_pid(tier), "pending": len(tier.pending()),
-            "handed": len(handoffs(tier)), "failed": tier.failures(),
+            "oldest_queued_s": oldest_queued_s(tier), "handed": len(handoffs(tier)), "failed": tier.failures(),
             "copies": [str(c["durable"]) for c in tier.copies()]}
 
 
@@ -174,7 +174,10 @@ def _print_human(name: str, out: dict[str, object]) -> None:
         for line in out["skipped"]:  # type: ignore[union-attr]
             print(f"  skipped {line}")
     elif name == "agent":
-        print(f"tier {out['tier']}: {out['pending']} rank copies queued, {out['handed']} being handed over, agent "
+        oldest = out["oldest_queued_s"]
+        print(f"tier {out['tier']}: {out['pending']} rank copies queued"
+              + (f" (the oldest for {oldest:.0f} s)" if oldest is not None else "")
+              + f", {out['handed']} being handed over, agent "
               f"{'pid ' + str(out['agent_pid']) if out['agent_pid'] else 'not running'}")
         for c in out["copies"]:  # type: ignore[union-attr]
             print(f"  copy of {c}")
@@ -226,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("tier", help="the tier directory, e.g. /dev/shm/fastckpt")
     agent.add_argument("--keep", type=int, default=KEEP, help=f"committed copies kept once drained ({KEEP})")
     agent.add_argument("--idle", type=float, default=IDLE_S, help=f"seconds with nothing queued before exiting "
-                       f"({IDLE_S:g})")
+                       f"({IDLE_S:g}; inf: never, for an agent run as a supervised service)")
     agent.add_argument("--status", action="store_true", help="only report the queue, failures and copies")
     agent.add_argument("--lock-fd", type=int, default=None, help=argparse.SUPPRESS)  # handed over by ensure_agent
     demo = sub.add_parser("demo", parents=[common], help="upload + download a synthetic checkpoint locally")

@@ -20,6 +20,9 @@ from .native import native as _native
 DIGEST_ALGO = "xxh3-128"
 META_DIGEST = "fastckpt-xxh3"
 META_CHUNK = "fastckpt-chunk"
+META_CHANGED = "fastckpt-changed"
+"""Set by a store that keeps digests beside the data (the local store's extended attributes) when it reports
+digests recorded for an earlier version of the object: its bytes changed after fastckpt wrote them."""
 
 
 def hash_chunk(data: bytes | bytearray | memoryview) -> bytes:
@@ -91,6 +94,9 @@ class FileDigest:
     size: int
     chunk_size: int
     digest: str
+    changed: bool = False
+    """Recorded for an earlier version of the object (``META_CHANGED``): never equal to a digest of what is there
+    now, so nothing is skipped or copied on its word; a read still checks the bytes against it."""
 
     def metadata(self) -> dict[str, str]:
         """Object-metadata form."""
@@ -103,12 +109,16 @@ class FileDigest:
         if META_DIGEST not in meta or META_CHUNK not in meta:
             return None
         try:
-            return cls(size, int(meta[META_CHUNK]), meta[META_DIGEST])
+            return cls(size, int(meta[META_CHUNK]), meta[META_DIGEST], META_CHANGED in meta)
         except ValueError:
             return None
 
     def check(self, chunk_digests: list[bytes], what: str) -> None:
         """Raise ``IntegrityError`` naming ``what`` when the digests do not match."""
         got = combine(chunk_digests)
-        if got != self.digest:
-            raise IntegrityError(f"{what}: digest mismatch (expected {DIGEST_ALGO} {self.digest}, got {got})")
+        if got == self.digest:
+            return
+        if self.changed:
+            raise IntegrityError(f"{what}: changed after it was written (its bytes no longer match the {DIGEST_ALGO} "
+                                 f"digest recorded when fastckpt wrote it: expected {self.digest}, got {got})")
+        raise IntegrityError(f"{what}: digest mismatch (expected {DIGEST_ALGO} {self.digest}, got {got})")

@@ -308,3 +308,43 @@ async def test_read_with_meta(store) -> None:
     assert (meta.size, n) == (0, 0)
     with pytest.raises(ObjectNotFoundError):
         await s.read_with_meta(uri.join("rwm/missing"), memoryview(buf))
+
+
+async def test_bytes_changed_behind_fastckpt_fail_the_read(store, tmp_path) -> None:
+    """An object whose bytes change after fastckpt wrote them, by the backend's own means and keeping the recorded
+    digests (a file edited in place; another client's write that copies the metadata), fails every read with
+    IntegrityError naming it. Where the store can tell (a file's version), a rerun of the upload sends the file again
+    instead of trusting the record."""
+    from fastckpt import IntegrityError
+
+    s, uri = store
+    key = uri.join("changed.bin")
+    data = os.urandom(2 * part_size_of(s) + 100)
+    src = tmp_path / "changed.bin"
+    src.write_bytes(data)
+    transfer = Transfer(s, small_config())
+    try:
+        await transfer.upload_file(str(src), key)
+        tampered = bytearray(data)
+        tampered[len(data) // 2] ^= 0xFF
+        path = s.local_file(key)
+        if path is not None:  # a file on a filesystem: edited in place (its extended attributes stay)
+            fd = os.open(path, os.O_WRONLY)
+            os.pwrite(fd, bytes(tampered[len(data) // 2:len(data) // 2 + 1]), len(data) // 2)
+            os.close(fd)
+        else:
+            await s.put(key, bytes(tampered), metadata=(await s.head(key)).metadata)
+        reads = (lambda: transfer.download_file(key, str(tmp_path / "out.bin")), lambda: transfer.verify_object(key))
+        for read in reads:
+            with pytest.raises(IntegrityError, match=r"changed\.bin") as caught:
+                await read()
+            if path is not None:
+                assert "changed after it was written" in str(caught.value)
+        assert not (tmp_path / "out.bin").exists()
+        if path is not None:
+            assert await transfer.holds_file(str(src), key) is None
+        await transfer.upload_file(str(src), key)
+        await transfer.download_file(key, str(tmp_path / "out.bin"))
+        assert (tmp_path / "out.bin").read_bytes() == data
+    finally:
+        transfer.close()

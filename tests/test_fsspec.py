@@ -122,3 +122,28 @@ def test_chained_s3_url(moto_server) -> None:
         f.write(b"chained")
     with fsspec.open(url, "rb", **opts) as f:
         assert f.read() == b"chained"
+
+
+def test_a_stored_file_changed_in_place_fails_every_read(tmp_path) -> None:
+    """``get``, ``cat`` and ``open().read()`` of a local file edited after fastckpt wrote it raise IntegrityError
+    naming it (its digests stay recorded, for the version fastckpt wrote), as ``fastckpt.download`` does."""
+    import fastckpt
+    from fastckpt import IntegrityError
+
+    fs = FastckptFileSystem()
+    src, store = tmp_path / "src", tmp_path / "store"
+    src.mkdir()
+    (src / "big.bin").write_bytes(os.urandom(3 << 20))
+    fs.put(str(src / "big.bin"), str(store / "big.bin"))
+    with open(store / "big.bin", "r+b") as f:
+        f.seek(1 << 20)
+        byte = f.read(1)
+        f.seek(1 << 20)
+        f.write(bytes([byte[0] ^ 1]))
+    for read in (lambda: fs.get(str(store / "big.bin"), str(tmp_path / "out.bin")),
+                 lambda: fs.cat_file(str(store / "big.bin")),
+                 lambda: fs.open(str(store / "big.bin"), "rb").read(),
+                 lambda: fastckpt.download(str(store), str(tmp_path / "out"))):
+        with pytest.raises(IntegrityError, match=r"big\.bin.*changed after it was written"):
+            read()
+    assert not (tmp_path / "out.bin").exists() and not (tmp_path / "out" / "big.bin").exists()

@@ -292,6 +292,65 @@ def test_agent_killed_mid_drain_is_resumed(s3_uri: str, moto_server, tmp_path: P
     assert digest(ft.load(durable, tier=tier)) == digest(st)
 
 
+@pytest.mark.parametrize("restore", ["latest", "load"])
+def test_a_killed_agent_is_restarted_by_a_restore(s3_uri: str, moto_server, tmp_path: Path, restore: str, capsys
+                                                  ) -> None:
+    """The agent SIGKILLed mid-drain and no save after it (the trainer died too): ``--status`` shows how long the
+    entry has waited, and the restart's first look at the tier (``latest(tier=)`` or ``load(tier=)``) starts an agent
+    that drains it."""
+    from fastckpt.cli import main
+
+    tier = Tier(tmp_path / "tier")
+    with FaultProxy(urlsplit(moto_server.endpoint).port) as proxy:
+        proxy.arm(Fault("stall", after=1 << 20, seconds=60), times=None)
+        proxied = s3_uri.replace(moto_server.endpoint, proxy.url)
+        parent, uri = below(proxied, "run"), below(proxied, "run/step-5")
+        st = state(5, 0)
+        ft.save(st, uri, tier=tier)
+        wait_for(lambda: agent_pid(tier) is not None, what="the agent")
+        time.sleep(1.0)
+        os.kill(agent_pid(tier), signal.SIGKILL)
+        wait_for(lambda: agent_pid(tier) is None, what="the agent's death")
+        proxy.arm(None)
+        time.sleep(1.0)
+        assert main(["agent", tier.root, "--status", "--json"]) == 0
+        status = json.loads(capsys.readouterr().out)
+        assert status["pending"] == 1 and status["agent_pid"] is None and status["oldest_queued_s"] >= 1.0
+        if restore == "latest":
+            assert fastckpt.latest(parent, tier=tier) == uri
+        else:
+            assert digest(ft.load(uri, tier=tier)) == digest(st)
+        wait_for(lambda: committed(uri), what="the drain the restore resumed")
+    assert fastckpt.verify(below(s3_uri, "run/step-5")).ok
+
+
+def test_a_rerun_saves_again_over_a_tier_copy_the_bucket_never_committed(s3_uri: str, moto_server, tmp_path: Path
+                                                                          ) -> None:
+    """Step 14 committed in the tier, its drain stuck and its agent killed (the job died); the rerun restores step 13
+    and saves step 14 anew: the stale copy is superseded (its queue entry dropped), the new one drains, and what the
+    bucket commits is the rerun's. A step committed in the bucket is still never written again."""
+    tier = Tier(tmp_path / "tier")
+    with FaultProxy(urlsplit(moto_server.endpoint).port) as proxy:
+        proxy.arm(Fault("stall", after=1 << 20, seconds=60), times=None)
+        uri = below(s3_uri.replace(moto_server.endpoint, proxy.url), "run/step-14")
+        ft.save(state(14, 0), uri, tier=tier)
+        wait_for(lambda: agent_pid(tier) is not None, what="the agent")
+        os.kill(agent_pid(tier), signal.SIGKILL)
+        wait_for(lambda: agent_pid(tier) is None, what="the agent's death")
+        assert len(tier.pending()) == 1
+        rerun = {**state(14, 0), "w": state(99, 0)["w"]}
+        ft.save(rerun, uri, tier=tier)
+        assert len(tier.pending()) == 1  # the new attempt's entry alone
+        proxy.arm(None)
+        wait_for(lambda: committed(uri), what="the rerun's drain")
+        with pytest.raises(CheckpointError, match="already committed"):
+            ft.save(state(15, 0), uri, tier=tier)
+    durable = below(s3_uri, "run/step-14")
+    assert fastckpt.verify(durable).ok
+    shutil.rmtree(tier.root)
+    assert digest(ft.load(durable)) == digest(rerun)
+
+
 def test_dcp_writer_and_reader_with_a_tier(tmp_path: Path) -> None:
     """``dcp.save`` through ``Writer(tier=)`` commits in the tier; ``wait_durable`` returns once the agent committed
     it at the URI; ``Reader(tier=)`` reads the tier's copy, the URI for a file damaged there and once it is wiped."""

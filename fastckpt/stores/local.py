@@ -22,7 +22,7 @@ from ..errors import (
     StoreError,
 )
 from ..fileio import read_exact, write_at
-from ..integrity import hash_chunks
+from ..integrity import META_CHANGED, hash_chunks
 from ..threads import off_loop
 from ..transport import Buffer
 from ..uri import StorageURI, check_options
@@ -89,13 +89,16 @@ def _record(path: str, metadata: dict[str, str]) -> None:
 
 
 def _head_of(path: str, st: os.stat_result) -> tuple[str | None, dict[str, str]]:
-    """The version and metadata ``head`` reports: the metadata only when it was recorded for this version of the
-    file; no version for a file whose metadata names none (written by an earlier fastckpt: nothing copies from it)."""
+    """The version and metadata ``head`` reports. No version (nothing copies from it) for a file whose metadata names
+    none (written by an earlier fastckpt) or another version: a file changed in place since its digests were recorded
+    keeps them, marked ``META_CHANGED``, so that a read of it fails unless its bytes still match them."""
     found = _get_xattrs(path)
     recorded, version = found.pop(_VERSION, None), version_of(st)
     if recorded is None:
         return None, found
-    return version, found if recorded == version else {}
+    if recorded != version:
+        return None, {**found, META_CHANGED: recorded}
+    return version, found
 
 
 def version_of(st: os.stat_result) -> str:

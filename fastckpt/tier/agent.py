@@ -92,6 +92,19 @@ def ensure_agent(tier: Tier, idle: float | None = None) -> None:
         os.close(fd)
 
 
+def resume_drains(tier: Tier) -> None:
+    """Start ``tier``'s agent when saves wait in its queue (or in a handoff) and none runs: what a killed agent left
+    drains without a new save on this node (called by the restore paths that look at a tier)."""
+    if os.path.isdir(tier.agent_dir) and (tier.pending() or handoffs(tier)):
+        ensure_agent(tier)
+
+
+def oldest_queued_s(tier: Tier) -> float | None:
+    """Seconds the oldest queue entry has waited (None: the queue is empty)."""
+    pending = tier.pending()
+    return max(0.0, time.time() - min(_queued_at(p) for p in pending)) if pending else None
+
+
 def run_agent(tier: Tier, idle: float = IDLE_S, config: TransferConfig | None = None, lock_fd: int | None = None
               ) -> bool:
     """Drain ``tier``'s queue until it has been empty for ``idle`` seconds; False when another agent runs.
@@ -178,7 +191,7 @@ async def _drain_entry(tier: Tier, path: str, entry: QueueEntry, config: Transfe
     copies beyond the newest ``keep`` go)."""
     try:
         async with store_for(parse_uri(entry.durable), config) as store:
-            committed = await drain(entry, store, config, upload=not wait.uploaded)
+            committed = await drain(entry, store, config, lambda: os.path.exists(path), upload=not wait.uploaded)
     except (CheckpointError, IntegrityError) as exc:
         log.error("agent: giving up on %s: %s", path, exc)
         tier.record_failure(path, entry, exc)

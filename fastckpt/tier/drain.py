@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable
 
 from ..checkpoint.documents import read_object
 from ..checkpoint.manifest import (
@@ -58,10 +59,12 @@ async def read_copy(local: Store, copy: StorageURI, rank: int, attempt: str
     return marker, data, manifest
 
 
-async def drain(entry: QueueEntry, store: Store, config: TransferConfig, upload: bool = True) -> bool:
+async def drain(entry: QueueEntry, store: Store, config: TransferConfig, queued: Callable[[], bool],
+                upload: bool = True) -> bool:
     """Upload ``entry``'s rank to its durable checkpoint through ``store`` (unless ``upload`` is False: done
-    already), and commit it there when every rank's data is in and this node holds the marker. True once the
-    checkpoint is committed there (by whichever agent); the tier copy then holds the marker too."""
+    already), and commit it there when every rank's data is in, this node holds the marker and the entry is still
+    ``queued`` (not superseded by a new save of the same checkpoint meanwhile). True once the checkpoint is committed
+    there (by whichever agent); the tier copy then holds the marker too."""
     copy, durable = parse_uri(entry.copy), parse_uri(entry.durable)
     local = TierStore()
     try:
@@ -73,6 +76,8 @@ async def drain(entry: QueueEntry, store: Store, config: TransferConfig, upload:
     if upload:
         await _upload(store, config, copy, durable, manifest)
         await _put_same(store, rank_key(meta_prefix(durable.key), entry.attempt, entry.rank), data)
+    if not queued():
+        return False
     if marker is not None:
         if await commit_if_complete(store, durable, entry.attempt, manifest.world_size, marker[1]):
             return True

@@ -20,6 +20,7 @@ A copy is dropped only once no queue entry or failure record names it, and only 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 
+from ..checkpoint.manifest import META_DIR
 from ..errors import CheckpointError
 from ..fileio import write_whole
 from ..stores.local import LocalStore
@@ -201,6 +203,36 @@ class Tier:
         write_whole(os.path.join(self.copies_dir, f"{cid}.json"), json.dumps(record).encode())
         entry = QueueEntry(durable.uri(), "/" + copy.key, attempt, rank, self.keep, time.time() + delay, handed)
         write_whole(os.path.join(self.queue_dir, record_name(durable, rank)), entry.encode())
+
+    def supersede(self, durable: StorageURI) -> bool:
+        """Before a save of ``durable`` writes here: drop this node's copy of it when an earlier run committed it here
+        and it never reached the durable store (still queued, or its drain gave up), since a tier is a cache of the
+        durable store: its queue entries and failure records go, its files become spare files, and the new attempt
+        writes it afresh. True when there was one. A copy drained (committed in the durable store) stays, and the
+        save is refused as before. Under a lock, so that of several ranks on the node one drops it before any of
+        them writes the new copy."""
+        copy = "/" + self.copy_of(durable).key
+        cid = checkpoint_id(durable)
+        fd = os.open(os.path.join(self.agent_dir, "supersede.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if not os.path.exists(os.path.join(copy, META_DIR, "COMMITTED")):
+                return False
+            records = [os.path.join(folder, name) for folder in (self.queue_dir, self.failed_dir)
+                       for name in os.listdir(folder) if name.endswith(f"-{cid}.json")]
+            if not records:
+                return False
+            for path in records:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.copies_dir, f"{cid}.json"))
+            trash = os.path.join(self.agent_dir, f"superseded-{time.time_ns()}")
+            os.rename(copy, trash)
+            retire(self.root, trash, _bytes_below(trash))
+            return True
+        finally:
+            os.close(fd)
 
     def pending(self) -> list[str]:
         """Queue entry paths, oldest first."""

@@ -17,6 +17,7 @@ from ..integrity import FileDigest
 from ..stores.base import Store
 from ..threads import off_loop
 from ..uri import StorageURI, parse_uri
+from .agent import resume_drains
 from .layout import Tier, TierStore
 
 
@@ -30,7 +31,9 @@ async def _marker(store: Store, key: str) -> tuple[bytes, CommitMarker] | None:
 async def tier_checkpoint(durable: StorageURI, tier: Tier, ranks: Iterable[int] | None,
                           config: TransferConfig | None = None) -> Checkpoint | None:
     """``tier``'s copy of committed checkpoint ``durable`` opened for ``ranks`` (None: every rank): committed there,
-    with their manifests as the marker names them; its files may be elsewhere (``held_files``). None if not."""
+    with their manifests as the marker names them; its files may be elsewhere (``held_files``). None if not. Saves
+    left queued by a killed agent start draining again (``resume_drains``)."""
+    await off_loop(resume_drains, tier)
     copy = tier.copy_of(durable)
     if not os.path.isdir("/" + copy.key):
         return None
@@ -67,6 +70,7 @@ async def latest_across(parent: str | StorageURI, tier: Tier, config: TransferCo
     there and perhaps not yet drained) or in the durable store (by commit time, then name); None when neither has
     one. Read it with ``tier=`` to read the nearest copy."""
     uri = parse_uri(parent) if not isinstance(parent, StorageURI) else parent
+    await off_loop(resume_drains, tier)
     copy, local = tier.copy_of(uri), TierStore()
     found = [(i.committed_at or 0.0, i.name, i.uri) for i in await list_checkpoints_async(uri, config=config)
              if i.state == COMMITTED]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import weakref
 from collections.abc import Awaitable, Callable
@@ -24,6 +25,8 @@ from ..uri import StorageURI
 from .agent import ensure_agent
 from .handoff import handed
 from .layout import Tier, TierStore
+
+log = logging.getLogger("fastckpt")
 
 POLL_S = (0.02, 0.25)
 """First and longest pause between looks at the tier's queue while waiting for the durable commit."""
@@ -68,9 +71,18 @@ async def commit_in_tier(tier: Tier, durable: StorageURI, write: Callable[[Check
     return result
 
 
+def supersede(tier: Tier, durable: StorageURI) -> None:
+    """``tier.supersede(durable)``, logged."""
+    if tier.supersede(durable):
+        log.info("tier %s: the copy of %s an earlier run committed here and never drained is superseded by this save",
+                 tier.root, durable.raw)
+
+
 async def save_to_tier(tier: Tier, durable: StorageURI, files: list[tuple[str, Layout]], rank: int, world_size: int,
                        barrier: Barrier | None, attempt: str | None, config: TransferConfig) -> CommitResult:
-    """``commit_in_tier`` of ``files`` (bytes in memory, written through the tier's store)."""
+    """``commit_in_tier`` of ``files`` (bytes in memory, written through the tier's store), over a copy an earlier
+    run left undrained (``Tier.supersede``)."""
+    await off_loop(supersede, tier, durable)
     await off_loop(tier.check_room, [layout.size for _, layout in files])
 
     async def write(writer: CheckpointWriter) -> None:

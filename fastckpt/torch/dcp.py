@@ -45,7 +45,7 @@ from ..stores.base import Store
 from ..threads import off_loop
 from ..tier import Tier, ensure_agent
 from ..tier.layout import TierStore
-from ..tier.save import wait_durable
+from ..tier.save import supersede, wait_durable
 from ..uri import StorageURI
 from .dcp_layout import rank_file, rank_files
 from .dcp_location import METADATA, StoredItem, _done, _Location, _run
@@ -202,6 +202,7 @@ class Writer(_Location, StorageWriter, AsyncStager):
         async with self._store() as (target, cfg, store):
             base = BaseCheckpoint.decode(where.base, f"base of {target.raw}") if where.base else None
             if self.tier is not None:
+                await off_loop(supersede, self.tier, self._where()[0])
                 await off_loop(self.tier.check_room, [layout.size for _, layout in files])
             writer = CheckpointWriter(target, rank=where.rank, world_size=where.world_size, attempt=where.attempt,
                                       config=cfg, barrier=HandedBarrier({}), store=store, base=base,

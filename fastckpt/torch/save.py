@@ -22,7 +22,7 @@ from ..engine.open_stores import store_for
 from ..stores.base import Store
 from ..threads import off_loop
 from ..tier import Tier
-from ..tier.save import save_to_tier, wait_durable
+from ..tier.save import save_to_tier, supersede, wait_durable
 from ..uri import parse_uri
 from .format import Header, build_header, flatten, split_large, with_state
 from .staging import Staging, byte_view, default_staging, distributed_defaults
@@ -157,6 +157,7 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
     spares: list[tuple[str, int]] = []
     if place.tier is not None and all(t.device.type == "cpu" for t in tensors.values()):
         target = parse_uri(uri)
+        supersede(place.tier, target)
         staged = stage_in_tier(place.tier, place.tier.copy_of(target), headers, tensors)
         if staged is not None:
             handed: concurrent.futures.Future[CommitResult] = concurrent.futures.Future()
