@@ -149,11 +149,49 @@ def test_drain_refused_when_another_writer_committed(tmp_path: Path) -> None:
     assert fastckpt.open_checkpoint(uri).files.keys() == {"other.bin"}
 
 
-def test_tier_refuses_store_barrier_and_base(tmp_path: Path) -> None:
+def test_tier_refuses_store_barrier_and_store(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="per_node"):
         CheckpointWriter(f"{tmp_path}/c", rank=0, world_size=2, barrier=StoreBarrier(), per_node=True)
-    with pytest.raises(ValueError, match="base="):
-        ft.save(state(1, 0), f"{tmp_path}/c", tier=tmp_path / "tier", base="latest")
+    with pytest.raises(ValueError, match="store="):
+        ft.save(state(1, 0), f"{tmp_path}/c", tier=tmp_path / "tier", store=fastckpt.open_store(f"{tmp_path}/s"))
+
+
+@pytest.mark.parametrize("how", ["async_save", "dcp"])
+def test_tier_saves_drain_incrementally_from_the_base(s3_uri: str, moto_server, tmp_path: Path, how: str) -> None:
+    """``base="latest"`` with ``tier=``: the agent resolves the base in the bucket as it drains and has the store copy
+    the frozen weights; what it sends is the changed bytes, counted on the wire, and the result loads bit-exact with
+    the base gone."""
+    import torch.distributed.checkpoint as dcp
+
+    from fastckpt.torch.dcp import Reader, Writer
+    from tests.test_torch_incremental import CFG, _delete_all_but, frozen_weights, lora_state, same
+
+    tier, frozen = Tier(tmp_path / "tier"), frozen_weights()
+    states = [lora_state(step, frozen) for step in (1, 2)]
+    sent = []
+    with FaultProxy(urlsplit(moto_server.endpoint).port) as proxy:
+        proxied = s3_uri.replace(moto_server.endpoint, proxy.url)
+        for step, st in enumerate(states, 1):
+            before, uri = proxy.moved["up"], below(proxied, f"run/step-{step}")
+            if how == "dcp":
+                writer = Writer(uri, config=CFG, base="latest", tier=tier)
+                dcp.save(st, storage_writer=writer, no_dist=True)
+                wait_for(lambda uri=uri: committed(uri), what=f"step {step} in the bucket")
+            else:
+                ft.async_save(st, uri, config=CFG, base="latest", tier=tier).wait(timeout=120, durable=True)
+            sent.append(proxy.moved["up"] - before)
+    frozen_bytes = sum(t.numel() * t.element_size() for t in frozen.values())
+    assert sent[0] > frozen_bytes and sent[1] < sent[0] - 0.9 * frozen_bytes, sent
+    changed = sum(t.numel() * t.element_size() for k, t in states[1]["model"].items() if "lora" in k) * 3
+    assert sent[1] <= 1.1 * changed + (2 << 20), (sent, changed)
+    _delete_all_but(below(s3_uri, "run"), "step-2")
+    shutil.rmtree(tier.root)
+    if how == "dcp":
+        loaded = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in states[1].items()}
+        dcp.load(loaded, storage_reader=Reader(below(s3_uri, "run/step-2")), no_dist=True)
+    else:
+        loaded = ft.load(below(s3_uri, "run/step-2"))
+    assert same(loaded, states[1])
 
 
 HANDED_RANK = """

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
+from ..checkpoint.base import BaseCheckpoint, resolve_base
 from ..checkpoint.documents import read_object
 from ..checkpoint.manifest import (
     CommitMarker,
@@ -74,7 +75,8 @@ async def drain(entry: QueueEntry, store: Store, config: TransferConfig, queued:
     if await _adopt(store, durable, local, copy, entry.attempt):
         return True
     if upload:
-        await _upload(store, config, copy, durable, manifest)
+        base = None if entry.base is None else await resolve_base(store, durable, entry.base)
+        await _upload(store, config, copy, durable, manifest, base)
         await _put_same(store, rank_key(meta_prefix(durable.key), entry.attempt, entry.rank), data)
     if not queued():
         return False
@@ -87,20 +89,22 @@ async def drain(entry: QueueEntry, store: Store, config: TransferConfig, queued:
 
 
 async def _upload(store: Store, config: TransferConfig, copy: StorageURI, durable: StorageURI,
-                  manifest: RankManifest) -> None:
-    """The manifest's files from the tier copy to the durable checkpoint, each checked against its digest."""
+                  manifest: RankManifest, base: BaseCheckpoint | None) -> None:
+    """The manifest's files from the tier copy to the durable checkpoint, each checked against its digest; the
+    bytes they share with ``base``'s file of the same name copied by the store."""
     for f in manifest.files:
         key, path = durable.join(f.name), "/" + copy.join(f.name)
         transfer = Transfer(store, dataclasses.replace(config, part_size=f.digest.chunk_size))
+        bases = {} if base is None or (found := base.object(f.name)) is None else {key: found}
         try:
             if await transfer.holds_digest(key, f.digest):
                 continue
             try:
-                [result] = await transfer.upload_files([(path, key)], if_absent=True)
+                [result] = await transfer.upload_files([(path, key)], if_absent=True, bases=bases)
             except AlreadyExistsError:  # left by an attempt that never committed (the marker is absent)
                 log.info("agent: replacing %s, left by an uncommitted attempt", store.uri(key))
                 await store.delete(key)
-                [result] = await transfer.upload_files([(path, key)], if_absent=True)
+                [result] = await transfer.upload_files([(path, key)], if_absent=True, bases=bases)
         finally:
             transfer.close()
         if result.digest != f.digest:

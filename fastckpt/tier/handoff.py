@@ -69,6 +69,8 @@ class Handoff:
     world_size: int
     keep: int
     files: tuple[StagedFile, ...]
+    base: str | None = None
+    """The save's ``base=`` (``QueueEntry.base``)."""
 
     def encode(self) -> bytes:
         """JSON bytes."""
@@ -82,7 +84,8 @@ class Handoff:
             files = tuple(StagedFile(str(f["name"]), str(f["tmp"]), str(f["final"]), int(f["size"]), int(f["part"]))
                           for f in doc["files"])
             return cls(str(doc["durable"]), str(doc["copy"]), str(doc["attempt"]), int(doc["rank"]),
-                       int(doc["world_size"]), int(doc["keep"]), files)
+                       int(doc["world_size"]), int(doc["keep"]), files,
+                       None if doc.get("base") is None else str(doc["base"]))
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"tier hand-off record {where} is malformed: {exc}") from None
 
@@ -202,7 +205,7 @@ async def finish(tier: Tier, handoff: Handoff) -> None:
     if not await off_loop(tier.queued, durable, handoff.rank):
         ranks = Tier(tier.root, keep=handoff.keep, capacity=tier.capacity)  # the saver's keep
         await off_loop(functools.partial(ranks.enqueue, durable, handoff.attempt, handoff.rank, time.time(),
-                                         handed=found is None))
+                                         handed=found is None, base=handoff.base))
 
 
 async def _publish(f: StagedFile) -> FileEntry:

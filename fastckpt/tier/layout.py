@@ -69,6 +69,9 @@ class QueueEntry:
     handed: bool = False
     """Finished by the agent for a process that handed it over (``handoff``): no marker in the tier unless the
     ranks committed there, so the drain commits from the durable manifests."""
+    base: str | None = None
+    """The save's ``base=`` (a committed checkpoint's URI, or ``"latest"``), resolved in the durable store when the
+    agent drains: the store copies the base's unchanged bytes instead of the agent sending them."""
 
     def encode(self) -> bytes:
         """JSON bytes."""
@@ -80,7 +83,8 @@ class QueueEntry:
         try:
             doc = json.loads(data)
             return cls(str(doc["durable"]), str(doc["copy"]), str(doc["attempt"]), int(doc["rank"]), int(doc["keep"]),
-                       float(doc.get("not_before", 0.0)), bool(doc.get("handed", False)))
+                       float(doc.get("not_before", 0.0)), bool(doc.get("handed", False)),
+                       None if doc.get("base") is None else str(doc["base"]))
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"tier queue entry {where} is malformed: {exc}") from None
 
@@ -193,15 +197,15 @@ class Tier:
                                 "copies")
 
     def enqueue(self, durable: StorageURI, attempt: str, rank: int, committed_at: float, delay: float = 0.0,
-                handed: bool = False) -> None:
+                handed: bool = False, base: str | None = None) -> None:
         """Record rank ``rank``'s committed copy of ``durable`` and queue it for the agent (after ``delay`` seconds:
-        a peer's replica, drained here only if its own node has not committed the checkpoint by then; ``handed``:
-        see ``QueueEntry``)."""
+        a peer's replica, drained here only if its own node has not committed the checkpoint by then; ``handed``,
+        ``base``: see ``QueueEntry``)."""
         copy = self.copy_of(durable)
         cid = checkpoint_id(durable)
         record = {"durable": durable.uri(), "copy": "/" + copy.key, "attempt": attempt, "committed_at": committed_at}
         write_whole(os.path.join(self.copies_dir, f"{cid}.json"), json.dumps(record).encode())
-        entry = QueueEntry(durable.uri(), "/" + copy.key, attempt, rank, self.keep, time.time() + delay, handed)
+        entry = QueueEntry(durable.uri(), "/" + copy.key, attempt, rank, self.keep, time.time() + delay, handed, base)
         write_whole(os.path.join(self.queue_dir, record_name(durable, rank)), entry.encode())
 
     def supersede(self, durable: StorageURI) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import weakref
@@ -53,10 +54,10 @@ def known_attempt(attempt: str | None, world_size: int, barrier: Barrier | None)
 
 async def commit_in_tier(tier: Tier, durable: StorageURI, write: Callable[[CheckpointWriter], Awaitable[None]],
                          rank: int, world_size: int, barrier: Barrier | None, attempt: str | None,
-                         config: TransferConfig) -> CommitResult:
+                         config: TransferConfig, base: str | None = None) -> CommitResult:
     """Commit rank ``rank``'s share of ``durable`` into ``tier`` (``write`` puts its files through the writer) with
-    the other ranks, each in its own node's tier; then queue it for the node agent, started if none runs. The result
-    names the tier's copy."""
+    the other ranks, each in its own node's tier; then queue it for the node agent (which drains it incrementally
+    from ``base``, when given), started if none runs. The result names the tier's copy."""
     writer = CheckpointWriter(tier.copy_of(durable), rank=rank, world_size=world_size, barrier=barrier,
                               attempt=attempt, config=config, store=TierStore(), per_node=True)
     async with writer:
@@ -66,7 +67,7 @@ async def commit_in_tier(tier: Tier, durable: StorageURI, write: Callable[[Check
     if barrier is not None and world_size > 1:
         with contextlib.suppress(TypeError):
             _agreed[barrier] = result.attempt
-    await off_loop(tier.enqueue, durable, result.attempt, rank, result.committed_at)
+    await off_loop(functools.partial(tier.enqueue, durable, result.attempt, rank, result.committed_at, base=base))
     await off_loop(ensure_agent, tier)
     return result
 
@@ -79,7 +80,8 @@ def supersede(tier: Tier, durable: StorageURI) -> None:
 
 
 async def save_to_tier(tier: Tier, durable: StorageURI, files: list[tuple[str, Layout]], rank: int, world_size: int,
-                       barrier: Barrier | None, attempt: str | None, config: TransferConfig) -> CommitResult:
+                       barrier: Barrier | None, attempt: str | None, config: TransferConfig, base: str | None = None
+                       ) -> CommitResult:
     """``commit_in_tier`` of ``files`` (bytes in memory, written through the tier's store), over a copy an earlier
     run left undrained (``Tier.supersede``)."""
     await off_loop(supersede, tier, durable)
@@ -89,7 +91,7 @@ async def save_to_tier(tier: Tier, durable: StorageURI, files: list[tuple[str, L
         for name, layout in files:
             await writer.put_layout(name, layout)
 
-    return await commit_in_tier(tier, durable, write, rank, world_size, barrier, attempt, config)
+    return await commit_in_tier(tier, durable, write, rank, world_size, barrier, attempt, config, base)
 
 
 async def wait_durable(tier: Tier, durable: StorageURI, result: CommitResult, rank: int, timeout: float | None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import os
 import time
@@ -74,7 +75,8 @@ class Writer(_Location, StorageWriter, AsyncStager):
     checkpoint's URI, or ``"latest"``) makes each save incremental: the coordinator reads the base once and each rank
     has the store copy the parts of its file that hold the same bytes as the base's file of that rank. ``tier`` (this
     node's tier directory): each rank's file goes into its node's tier and the save commits there, on the
-    coordinator's node (the ``fastckpt.tier`` agents drain it to ``uri``: ``wait_durable``).
+    coordinator's node (the ``fastckpt.tier`` agents drain it to ``uri``: ``wait_durable``; with ``base``, each agent
+    resolves the base in the durable store as it drains, and has the store copy the unchanged bytes).
     ``cache_staged_state_dict`` (as on DCP's ``FileSystemWriter``): ``dcp.async_save`` stages into host memory kept
     for the next save through this writer (``stage``; with DCP's default thread-based ``async_save``: a process-based
     one writes in another process, so each save stages afresh). One save at a time per writer, as with DCP's own.
@@ -93,8 +95,6 @@ class Writer(_Location, StorageWriter, AsyncStager):
         self._stager: DefaultStager | None = None
         self._cache_in_use = False
         """A save staged into the cache has not written its data yet."""
-        if tier is not None and base is not None:
-            raise ValueError("a DCP save into a tier takes no base=")
         self.tier = tier if tier is None or isinstance(tier, Tier) else Tier(tier)
         self.result: CommitResult | None = None
         """On the coordinator, once a save is committed: its totals (bytes ``sent`` and ``copied``)."""
@@ -154,7 +154,7 @@ class Writer(_Location, StorageWriter, AsyncStager):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         attempt = self._planned = self.attempt or attempt_from_env() or new_attempt_id()
-        bases = _run(self._bases(len(plans))) if self.base is not None else [None] * len(plans)
+        bases = _run(self._bases(len(plans))) if self.base is not None and self.tier is None else [None] * len(plans)
         return [dataclasses.replace(p, storage_data=_RankPlan(attempt, i, len(plans), bases[i]))
                 for i, p in enumerate(plans)]
 
@@ -226,7 +226,8 @@ class Writer(_Location, StorageWriter, AsyncStager):
     async def _queue(self, attempt: str, rank: int) -> None:
         """Saves into a tier: queue rank ``rank``'s copy for the node agent (started if none runs)."""
         if self.tier is not None:
-            await off_loop(self.tier.enqueue, self._target(), attempt, rank, time.time())
+            await off_loop(functools.partial(self.tier.enqueue, self._target(), attempt, rank, time.time(),
+                                             base=self.base))
             await off_loop(ensure_agent, self.tier)
 
     def finish(self, metadata: dcp_meta.Metadata, results: list[list[WriteResult]]) -> None:

@@ -149,7 +149,7 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
     also goes to the tier of the rank one node over (``tier_peers``), before ``wait()`` returns.
     """
     rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
-    place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, as_tier(tier, store, base))
+    place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, as_tier(tier, store))
     after = _replicas(place, replicas)
     started = time.perf_counter()
     skeleton, tensors = flatten(state_dict)
@@ -162,7 +162,8 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
         if staged is not None:
             handed: concurrent.futures.Future[CommitResult] = concurrent.futures.Future()
             coro = commit_staged(place.tier, target, staged, rank, world_size, barrier, attempt,
-                                 config or TransferConfig.from_env(), after, None if after else handed.set_result)
+                                 config or TransferConfig.from_env(), after, None if after else handed.set_result,
+                                 base)
             future = asyncio.run_coroutine_threadsafe(coro, BackgroundLoop.get().loop)
             return SaveHandle(future, time.perf_counter() - started, (place.tier, uri, rank), handed)
         spares = [(name, h.size) for name, h in headers]
@@ -204,12 +205,12 @@ def _replicas(place: _Place, replicas: int) -> Callable[[], Awaitable[None]] | N
     return after
 
 
-def as_tier(tier: str | os.PathLike[str] | Tier | None, store: Store | None, base: str | None) -> Tier | None:
+def as_tier(tier: str | os.PathLike[str] | Tier | None, store: Store | None) -> Tier | None:
     """The ``Tier`` a save commits into (None: straight to its URI); ValueError for what a tier save cannot take."""
     if tier is None:
         return None
-    if store is not None or base is not None:
-        raise ValueError("a save into a tier takes neither store= (the agent opens the URI itself) nor base=")
+    if store is not None:
+        raise ValueError("a save into a tier takes no store= (the agent opens the URI itself)")
     return tier if isinstance(tier, Tier) else Tier(tier)
 
 
@@ -234,7 +235,7 @@ async def _commit(files: list[tuple[str, Layout]], p: _Place, spares: list[tuple
     save in the background (``prepare_spares``)."""
     target, cfg = parse_uri(p.uri), p.config or TransferConfig.from_env()
     if p.tier is not None:
-        result = await save_to_tier(p.tier, target, files, p.rank, p.world_size, p.barrier, p.attempt, cfg)
+        result = await save_to_tier(p.tier, target, files, p.rank, p.world_size, p.barrier, p.attempt, cfg, p.base)
         if after is not None:
             await after()
         if spares:  # after the result: the files are for the next save, not this one

@@ -139,14 +139,15 @@ def discard(staged: list[Staged]) -> None:
 async def commit_staged(tier: Tier, durable: StorageURI, staged: list[Staged], rank: int, world_size: int,
                         barrier: Barrier | None, attempt: str | None, config: TransferConfig,
                         after: Callable[[], Awaitable[None]] | None = None,
-                        safe: Callable[[CommitResult], None] | None = None) -> CommitResult:
+                        safe: Callable[[CommitResult], None] | None = None, base: str | None = None) -> CommitResult:
     """Hash the staged files, publish them under their names and commit them in the tier with the other ranks
     (``commit_in_tier``); then ``after()`` (the replicas).
 
     ``safe``: called as soon as the save is handed to the node agent (``tier.handoff``), before the hashing, with
     this rank's share (its files and bytes; the commit time is the hand-off's). The agent finishes the save if this
     process dies, or if its commit here fails (a rank died meanwhile); the files are then left to it. Only once the
-    attempt is known (``known_attempt``): else ``safe`` is not called."""
+    attempt is known (``known_attempt``): else ``safe`` is not called. ``base``: drained incrementally from it
+    (``QueueEntry.base``)."""
     sizes = [0 if s.area is None else s.area.numel() for s in staged]
     parts = [part_size(size, config) for size in sizes]
     held: Held | None = None
@@ -155,7 +156,7 @@ async def commit_staged(tier: Tier, durable: StorageURI, staged: list[Staged], r
             copy = tier.copy_of(durable)
             record = Handoff(durable.uri(), "/" + copy.key, attempt, rank, world_size, tier.keep,
                              tuple(StagedFile(s.name, s.tmp, s.final, size, part)
-                                   for s, size, part in zip(staged, sizes, parts, strict=True)))
+                                   for s, size, part in zip(staged, sizes, parts, strict=True)), base)
             held = await off_loop(hand_off, tier, record)
             await off_loop(ensure_agent, tier)
             safe(CommitResult(copy.raw, attempt, world_size, len(staged), sum(sizes), time.time()))
@@ -169,7 +170,7 @@ async def commit_staged(tier: Tier, durable: StorageURI, staged: list[Staged], r
                 await off_loop(os.replace, s.tmp, s.final)
             writer.record_written(tuple(entries))
 
-        result = await commit_in_tier(tier, durable, write, rank, world_size, barrier, attempt, config)
+        result = await commit_in_tier(tier, durable, write, rank, world_size, barrier, attempt, config, base)
         if held is not None:
             held.done()
         if after is not None:
