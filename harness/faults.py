@@ -36,6 +36,7 @@ class FaultInjectingStore(Store):
         self.name = f"faulty-{inner.name}"
         self.min_part_size, self.max_part_size = inner.min_part_size, inner.max_part_size
         self.max_parts, self.metadata_on_complete = inner.max_parts, inner.metadata_on_complete
+        self.remote = inner.remote
         self.latency, self.error_rate, self.fail_after = latency, error_rate, fail_after
         self.permanent = permanent
         self.ops = ops

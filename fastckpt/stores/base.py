@@ -140,6 +140,9 @@ class Store(abc.ABC):
     metadata_on_complete: bool = True
     """Whether ``MultipartUpload.complete`` records metadata; False: only what the upload was created with
     stands (the engine then hashes a file before its upload starts)."""
+    remote: bool = True
+    """Whether its requests cross a network to a service: they then share the endpoint's adaptive request limit
+    (``stores.concurrency``); a store in this process or on its filesystem has no link to size itself to."""
 
     scheme: str = ""
     """The URI scheme ``uri`` writes."""

@@ -230,6 +230,7 @@ class LocalStore(Store):
 
     name = "local"
     max_parts = 1 << 31
+    remote = False
 
     def __init__(self, root: str = "/", *, fsync: bool = True) -> None:
         self.root = os.path.abspath(root)

@@ -102,6 +102,7 @@ class MemoryStore(Store):
 
     name = "memory"
     scheme = "memory"
+    remote = False
 
     def __init__(self, bucket: str = "default") -> None:
         self.bucket = bucket

@@ -42,6 +42,8 @@ from .concurrency import AdaptiveLimit, endpoint_limit, start_limit
 
 T = TypeVar("T")
 log = logging.getLogger("fastckpt")
+UNBOUNDED = 1 << 16
+"""The request limit of a store that is not ``remote``: no bound (the engine's own limits hold)."""
 _HOLDING: contextvars.ContextVar[frozenset[AdaptiveLimit]] = contextvars.ContextVar("holding", default=frozenset())
 """The endpoint limits whose slot the running request holds (a store wrapped twice takes one slot a request)."""
 
@@ -101,6 +103,7 @@ class RetryingStore(Store):
         self.name, self.scheme, self.bucket, self.options = inner.name, inner.scheme, inner.bucket, inner.options
         self.min_part_size, self.max_part_size = inner.min_part_size, inner.max_part_size
         self.max_parts, self.metadata_on_complete = inner.max_parts, inner.metadata_on_complete
+        self.remote = inner.remote
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_limit: AdaptiveLimit | None = None
 
@@ -109,8 +112,9 @@ class RetryingStore(Store):
         loop = asyncio.get_running_loop()
         if self._loop is not loop or self._loop_limit is None:
             config = self.config
+            ceiling = config.max_in_flight if self.remote else UNBOUNDED  # else the engine's own limits hold
             self._loop, self._loop_limit = loop, endpoint_limit(
-                self.location, config.max_in_flight, start_limit(config.target_throughput, config.max_in_flight))
+                self.location, ceiling, start_limit(config.target_throughput, ceiling) if self.remote else ceiling)
         return self._loop_limit
 
     def planned_requests(self) -> int:
