@@ -74,6 +74,7 @@ class FaultProxy:
         self._down_until = 0.0
         self._live: set[asyncio.StreamWriter] = set()
         self._throttle: tuple[Fault, int] | None = None
+        self._handlers: set[asyncio.Task[None] | None] = set()
         self._serving = 0
         self.answers: list[bool] = []
         """Under ``throttle``: one entry per request, in order, True when the proxy throttled it."""
@@ -120,10 +121,11 @@ class FaultProxy:
         self._budget -= 1
         return self._budget >= 0
 
-    def throttle(self, max_in_flight: int, status: int = 503, code: str = "SlowDown") -> None:
+    def throttle(self, max_in_flight: int | None, status: int = 503, code: str = "SlowDown") -> None:
         """From now on, answer ``status`` ``code`` to a request that arrives while ``max_in_flight`` others are being
-        served (each request is sent upstream with ``Connection: close``, so that its end is its connection's)."""
-        self._throttle = (Fault("status", status=status, code=code), max_in_flight)
+        served (each request is sent upstream with ``Connection: close``, so that its end is its connection's);
+        None: throttle no more."""
+        self._throttle = None if max_in_flight is None else (Fault("status", status=status, code=code), max_in_flight)
 
     def outage(self, seconds: float) -> None:
         """Reset every open connection now and refuse new ones for ``seconds``."""
@@ -148,6 +150,14 @@ class FaultProxy:
             self._loop.close()
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._handlers.add(task)  # held: a handler its client abandoned is cancelled at the end, not collected
+        try:
+            await self._serve(client_r, client_w)
+        finally:
+            self._handlers.discard(task)
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         if self._throttle is not None:
             await self._throttled(client_r, client_w, *self._throttle)
             return

@@ -66,15 +66,20 @@ def _client(endpoint: str):
 # ----------------------------------------------------------------------------- concurrency sized to the link
 
 
-async def test_requests_in_flight_grow_to_what_the_link_needs_and_stop(azurite, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["azure", "gcs"])
+async def test_requests_in_flight_grow_to_what_the_link_needs_and_stop(backend: str, request: pytest.FixtureRequest,
+                                                                       tmp_path: Path) -> None:
     """Starting at 8 requests in flight on a link that needs 16 (each connection carries a sixteenth of it), the
-    limit grows past 16 on an upload and on a download, and stops well short of the 48 parts on offer."""
+    limit grows past 16 on an upload and on a download, and stops well short of the 48 parts on offer: Azure's and
+    GCS's data paths through the emulated link."""
+    endpoint = request.getfixturevalue("azurite").endpoint if backend == "azure" else request.getfixturevalue(
+        "gcs_server")
     data = os.urandom(24 * MiB)
     (tmp_path / "f").write_bytes(data)
     config = small_config(part_size=512 << 10, max_in_flight=256, target_throughput=1, range_size=512 << 10,
                           retries=6)
-    with LinkEmulator(_port(azurite.endpoint), SLOW) as link:
-        store = fastckpt.open_store(emulator_uri("azure", link.url, f"grow-{os.urandom(4).hex()}"))
+    with LinkEmulator(_port(endpoint), SLOW) as link:
+        store = fastckpt.open_store(emulator_uri(backend, link.url, f"grow-{os.urandom(4).hex()}"))
         limit = endpoint_limit(store.location, config.max_in_flight, MIN_LIMIT)
         transfer = Transfer(store, config)
         try:
