@@ -191,7 +191,7 @@ class Soak:
         self.tier_root = tempfile.mkdtemp(prefix="fastckpt-soak-tiers-", dir=shm)
         self.tiers = [os.path.join(self.tier_root, f"node-{r}") for r in range(args.ranks)]
         self.notes = os.path.join(self.work, "notes.jsonl")
-        self.env = {**os.environ, **CREDENTIALS, "FASTCKPT_AGENT_IDLE": "3", "FASTCKPT_REPLICA_GRACE": "1",
+        self.env = {**os.environ, **CREDENTIALS, "FASTCKPT_AGENT_IDLE": "3",
                     "PYTHONPATH": REPO}
         os.environ.update(CREDENTIALS)
         self.moto = start_moto()

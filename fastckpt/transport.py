@@ -23,10 +23,14 @@ class FileRange:
 
 
 Body = Buffer | FileRange
+Pieces = tuple[Buffer, ...]
+"""A request body laid out in several buffers (a part spanning tensors), sent one after the other: no copy into one."""
 
 
-def body_size(piece: Body) -> int:
-    """Bytes of a body piece."""
+def body_size(piece: Body | Pieces) -> int:
+    """Bytes of a body piece (or of ``Pieces``)."""
+    if isinstance(piece, tuple):
+        return sum(memoryview(p).nbytes for p in piece)
     return piece.length if isinstance(piece, FileRange) else memoryview(piece).nbytes
 
 

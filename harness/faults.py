@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from fastckpt.errors import StoreError, TransientStoreError
 from fastckpt.stores.base import MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
-from fastckpt.transport import Buffer, FileRange
+from fastckpt.transport import Buffer, FileRange, Pieces
 
 
 class FaultInjectingStore(Store):
@@ -126,7 +126,7 @@ class _FaultyUpload(MultipartUpload):
         self._store, self._inner = store, inner
         self.key, self.upload_id = inner.key, inner.upload_id
 
-    async def put_part(self, index: int, data: Buffer | FileRange) -> PartInfo:
+    async def put_part(self, index: int, data: Buffer | FileRange | Pieces) -> PartInfo:
         await self._store.fault("put_part", self.key)
         return await self._inner.put_part(index, data)
 
@@ -140,6 +140,10 @@ class _FaultyUpload(MultipartUpload):
     @property
     def sends_files(self) -> bool:
         return self._inner.sends_files
+
+    @property
+    def sends_pieces(self) -> bool:
+        return self._inner.sends_pieces
 
     async def stored_part(self, index: int, size: int, token: str, digest: str) -> PartInfo | None:
         return await self._inner.stored_part(index, size, token, digest)

@@ -1023,3 +1023,32 @@ def test_hash_in_uri_is_an_error_not_a_request_to_aws(moto_server: MotoServer, t
     assert good.returncode == 0, good.stderr
     client = boto3.client("s3", endpoint_url=moto_server.endpoint)
     assert client.get_object(Bucket=BUCKET, Key="hash/k#1")["Body"].read() == b"payload"
+
+
+@pytest.mark.parametrize("signing", ["0", "1"])
+async def test_a_part_spanning_several_buffers_is_sent_as_they_lie(moto_server, monkeypatch, signing: str) -> None:
+    """A layout's part that spans tensors goes up as its views (``Pieces``), with no copy into a pooled buffer; with
+    payload signing on, the signature covers the pieces as one body."""
+    from fastckpt.engine.layout import Layout, upload_layout
+    from fastckpt.stores.s3.upload import S3Upload
+
+    monkeypatch.setenv("FASTCKPT_S3_PAYLOAD_SIGNING", signing)
+    sent: list[type] = []
+    original = S3Upload.put_part
+
+    async def spy(self, index, data):
+        sent.append(type(data))
+        return await original(self, index, data)
+
+    monkeypatch.setattr(S3Upload, "put_part", spy)
+    uri = fastckpt.parse_uri(moto_server.uri(BUCKET, f"pieces-{uuid.uuid4().hex[:8]}/x"))
+    views = [os.urandom(n) for n in (100_000, PART, 3 * PART // 5 + 7, 6 * PART // 5)]
+    store = open_store(uri, small_config())
+    transfer = Transfer(store, small_config(part_size=PART, multipart_threshold=PART))
+    try:
+        digest, _ = await upload_layout(transfer, Layout(views), uri.key)
+        assert await store.get_range(uri.key, 0, digest.size + 1) == b"".join(views)
+    finally:
+        transfer.close()
+        await store.close()
+    assert tuple in sent, sent

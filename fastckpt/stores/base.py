@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..errors import CopyUnsupportedError, ObjectNotFoundError
-from ..transport import Buffer, BufferReceiver, FileRange, Receiver
+from ..transport import Buffer, BufferReceiver, FileRange, Pieces, Receiver
 from ..uri import StorageURI
 
 
@@ -87,8 +87,9 @@ class MultipartUpload(abc.ABC):
     """Parts an earlier process stored, by index (filled by ``Store.resume_multipart``; empty for a new upload)."""
 
     @abc.abstractmethod
-    async def put_part(self, index: int, data: Buffer | FileRange) -> PartInfo:
-        """Upload part ``index`` (0-based); ``data`` is a ``FileRange`` only where ``sends_files``."""
+    async def put_part(self, index: int, data: Buffer | FileRange | Pieces) -> PartInfo:
+        """Upload part ``index`` (0-based); ``data`` is a ``FileRange`` only where ``sends_files``, ``Pieces`` only
+        where ``sends_pieces``."""
 
     @abc.abstractmethod
     async def complete(self, parts: list[PartInfo], metadata: dict[str, str] | None = None) -> None:
@@ -107,6 +108,12 @@ class MultipartUpload(abc.ABC):
     def sends_files(self) -> bool:
         """Whether ``put_part`` takes a ``FileRange`` of an open file, sent from it by the kernel (the bytes never
         pass through a buffer); False: buffers only."""
+        return False
+
+    @property
+    def sends_pieces(self) -> bool:
+        """Whether ``put_part`` takes ``Pieces`` (a part laid out in several buffers, sent as they lie); False: one
+        buffer (the caller gathers the pieces into one)."""
         return False
 
     async def copy_part(self, index: int, source: CopySource) -> PartInfo:

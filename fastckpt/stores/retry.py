@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 from ..config import TransferConfig
 from ..errors import ThrottledError, TransientStoreError
-from ..transport import Buffer, FileRange, Receiver, body_size
+from ..transport import Buffer, FileRange, Pieces, Receiver, body_size
 from .base import CopySource, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
 from .classify import EndpointUnreachableError
 from .concurrency import AdaptiveLimit, endpoint_limit, start_limit
@@ -282,7 +282,7 @@ class _RetryingUpload(MultipartUpload):
         self._store, self._inner = store, inner
         self.key, self.upload_id = inner.key, inner.upload_id
 
-    async def put_part(self, index: int, data: Buffer | FileRange) -> PartInfo:
+    async def put_part(self, index: int, data: Buffer | FileRange | Pieces) -> PartInfo:
         return await self._store.retry_data(f"upload of {self.key} (part {index})", body_size(data),
                                             lambda: self._inner.put_part(index, data))
 
@@ -299,6 +299,10 @@ class _RetryingUpload(MultipartUpload):
     @property
     def sends_files(self) -> bool:
         return self._inner.sends_files
+
+    @property
+    def sends_pieces(self) -> bool:
+        return self._inner.sends_pieces
 
     def local_fd(self) -> int | None:
         return self._inner.local_fd()

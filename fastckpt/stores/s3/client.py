@@ -19,7 +19,7 @@ from urllib.parse import quote, urlsplit
 
 from ...errors import StoreError
 from ...http import Response
-from ...transport import Buffer, FileRange, Receiver
+from ...transport import Buffer, FileRange, Pieces, Receiver
 from ..datapath import DataPath
 from .answers import timestamp
 from .errors import S3Errors, request_failure
@@ -59,7 +59,7 @@ class S3Client:
                 and (self.options.payload_signing is False or self._signing[1] is None))
 
     async def send(self, method: str, key: str, query: dict[str, str], headers: dict[str, str], *,
-                   body: Buffer | FileRange | None = None, into: Receiver | None = None,
+                   body: Buffer | FileRange | Pieces | None = None, into: Receiver | None = None,
                    if_absent: bool = False) -> Response:
         """A request on the data path; errors as fastckpt errors (a 2xx or 416 answer is returned, a 206 or 200 with
         its body received by ``into``)."""
@@ -237,17 +237,24 @@ class S3Client:
         if region and region != signer.region:
             self._signing = (path, credentials, S3Signer(self.data.client.host_header, region))
 
-    async def _sign_and_send(self, method: str, target: str, headers: dict[str, str], body: Buffer | FileRange | None,
-                             into: Receiver | None, key: str) -> Response:
+    async def _sign_and_send(self, method: str, target: str, headers: dict[str, str],
+                             body: Buffer | FileRange | Pieces | None, into: Receiver | None, key: str) -> Response:
         """Sign with SigV4 as botocore would (``stores.s3.sigv4``), then send."""
         assert self._signing is not None
         _, credentials, signer = self._signing
         if credentials is not None:
-            payload = UNSIGNED_PAYLOAD if self.options.payload_signing is False else hashlib.sha256(
-                body if body is not None else b"").hexdigest()  # None: the SDK's default, signed
+            payload = UNSIGNED_PAYLOAD if self.options.payload_signing is False else _sha256(body)
             signer.sign(method, target, headers, await credentials.get_frozen_credentials(), payload)
         return await self.data.request(method, target, headers, where=self.errors.where(key), key=key or None,
                                        body=body, into=into)
+
+
+def _sha256(body: Buffer | Pieces | None) -> str:
+    """Hex SHA-256 of a signed payload (None: the SDK's default, signed; empty)."""
+    h = hashlib.sha256()
+    for piece in body if isinstance(body, tuple) else (body if body is not None else b"",):
+        h.update(piece)
+    return h.hexdigest()
 
 
 def _content_md5(request: Any, **_: Any) -> None:

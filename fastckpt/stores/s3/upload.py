@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...errors import CopyUnsupportedError, ObjectNotFoundError, StoreError
-from ...transport import Buffer, FileRange, body_size
+from ...transport import Buffer, FileRange, Pieces, body_size
 from ..base import CopySource, MultipartUpload, PartInfo
 from .answers import answer_fields, complete_body
 from .errors import NoSuchUpload
@@ -31,7 +31,11 @@ class S3Upload(MultipartUpload):
     def sends_files(self) -> bool:
         return self._client.sends_files
 
-    async def put_part(self, index: int, data: Buffer | FileRange) -> PartInfo:
+    @property
+    def sends_pieces(self) -> bool:
+        return True
+
+    async def put_part(self, index: int, data: Buffer | FileRange | Pieces) -> PartInfo:
         if self._finished:
             raise StoreError(f"multipart upload of {self._client.errors.where(self.key)} is no longer active")
         query = {"partNumber": str(index + 1), "uploadId": self.upload_id}
