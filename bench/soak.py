@@ -6,7 +6,8 @@ may be lost.
 
 The bucket is a moto server on 127.0.0.1 behind ``harness/proxy.py``; each rank is a "node" with a tier directory of
 its own (``LOCAL_WORLD_SIZE=1``). Each incarnation of the job restores (every rank: ``latest(tier=)``, the newest
-step any rank found, ``restore_tier``, ``load(tier=)``, checked bit for bit against the state of that step), then
+step any rank found, ``restore_tier``, ``load(tier=)``, checked bit for bit against the state of that step; when a
+rank cannot read that one, its copy lost with its node, every rank falls back to the step before), then
 saves step after step with ``async_save(tier=, replicas=1, base="latest")`` (frozen weights that never change and a
 trained part that changes every step), noting each step once ``wait()`` returned. Between incarnations the controller
 SIGKILLs, at a random moment (seeded): the trainers; the trainers and a node's agent; a node's agent alone (the
@@ -118,14 +119,23 @@ def rank_main(rank: int, spec: dict[str, Any]) -> None:
     found = torch.tensor([step_of(fastckpt.latest(run, tier=tier))])
     dist.all_reduce(found, dist.ReduceOp.MAX)
     step = int(found.item())
-    record: dict[str, Any] = {"kind": "restore", "incarnation": spec["incarnation"], "rank": rank, "step": step}
-    if step:
+    record: dict[str, Any] = {"kind": "restore", "incarnation": spec["incarnation"], "rank": rank, "step": step,
+                              "unrestorable": []}
+    while step:  # the newest step any rank found, else the next older one every rank can restore
         uri = below(run, f"step-{step:05d}")
         try:
             record["received"] = restore_tier(uri, tier)
-            record["ok"] = digest(ft.load(uri, tier=tier, rank=rank)) == digest(state(step, rank, *sizes))
-        except Exception as exc:  # a restore that fails is a finding, not a crash of the soak
+            loaded = digest(ft.load(uri, tier=tier, rank=rank))
+            record.update(ok=loaded == digest(state(step, rank, *sizes)), error="")
+        except Exception as exc:  # this rank cannot restore it (its copy lost with its node): an older step
             record.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+        readable = torch.tensor([0 if record["error"] else 1])
+        dist.all_reduce(readable, dist.ReduceOp.MIN)
+        if readable.item():
+            break
+        record["unrestorable"].append({"step": step, "error": record["error"]})
+        step -= 1
+        record["step"] = step
     _note(notes, record)
     if spec["final"]:
         dist.destroy_process_group()
@@ -191,7 +201,9 @@ class Soak:
         self.tier_root = tempfile.mkdtemp(prefix="fastckpt-soak-tiers-", dir=shm)
         self.tiers = [os.path.join(self.tier_root, f"node-{r}") for r in range(args.ranks)]
         self.notes = os.path.join(self.work, "notes.jsonl")
-        self.env = {**os.environ, **CREDENTIALS, "FASTCKPT_AGENT_IDLE": "3",
+        # a checkpoint whose other rank's data went with a replaced node never commits: its agent gives up after
+        # FASTCKPT_AGENT_COMMIT_WAIT (an hour by default; a minute here, so that the soak ends drained)
+        self.env = {**os.environ, **CREDENTIALS, "FASTCKPT_AGENT_IDLE": "3", "FASTCKPT_AGENT_COMMIT_WAIT": "60",
                     "PYTHONPATH": REPO}
         os.environ.update(CREDENTIALS)
         self.moto = start_moto()
@@ -315,7 +327,9 @@ class Soak:
         unverified = [i.name for i in committed if not fastckpt.verify(i.uri).ok]
         notes = _notes(self.notes)
         restores = {(n["incarnation"], n["rank"]): n for n in notes if n["kind"] == "restore"}
-        lost, wrong = [], []
+        lost: list[dict[str, Any]] = []
+        wrong: list[dict[str, Any]] = []
+        unrestorable: list[dict[str, Any]] = []
         for inc, safe in self.expected:
             got = [restores.get((inc, r)) for r in range(self.args.ranks)]
             if any(g is None for g in got):
@@ -326,10 +340,13 @@ class Soak:
                 lost.append({"incarnation": inc, "safe": safe, "restored": step})
             wrong += [{"incarnation": inc, "rank": g["rank"], "step": step, "error": g.get("error", "")}
                       for g in got if step and not g.get("ok")]
+            unrestorable += [{"incarnation": inc, "rank": g["rank"], **u}
+                             for g in got for u in g.get("unrestorable", [])]
         state_bytes = self.args.ranks * (self.args.frozen_mib * MiB + self.args.trained_kib * 1024)
         return {"seed": self.args.seed, "ranks": self.args.ranks, "kills": self.kills, "incarnations": n + 1,
                 "steps_safe": _safe_step(notes, self.args.ranks), "steps_lost": len(lost), "lost": lost,
                 "wrong_restores": len(wrong), "wrong": wrong, "committed": len(committed),
+                "unrestorable_newest": unrestorable,
                 "commits_lost": self.lost_commits, "unverified": unverified, "drained": drained,
                 "left_after_gc": [i.name for i in infos if i.state != "committed"], "gc_removed": len(report.removed),
                 "bytes_sent": sent, "state_bytes": state_bytes,
