@@ -23,13 +23,14 @@ import json
 import os
 import random
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+
+from harness.loopserver import LoopServer, reset
 
 CHUNK = 64 << 10
 WINDOW = 4 << 20
@@ -165,52 +166,20 @@ class _RequestHeads:
                     self.lost = True  # chunked bodies are not followed: counts stop here
 
 
-class LinkEmulator:
+class LinkEmulator(LoopServer):
     """``with LinkEmulator(upstream_port, profile) as link:`` and send requests to ``link.url``."""
 
     def __init__(self, upstream_port: int, profile: LinkProfile, seed: int = 0) -> None:
+        super().__init__("link-emulator")
         self.upstream_port, self.profile = upstream_port, profile
         self.stats = LinkStats()
         self._rng = random.Random(seed)
         self._total = {"up": _Share(profile.total), "down": _Share(profile.total)}
         self._open = 0
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="link-emulator", daemon=True)
-        self.port = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> LinkEmulator:
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError("link emulator did not start")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
     def reset_stats(self) -> None:
         """Start counting afresh (connections open now count towards the peak)."""
         self.stats = LinkStats(peak_connections=self._open)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
-        self._ready.set()
-        try:
-            self._loop.run_forever()
-        finally:
-            server.close()
-            pending = asyncio.all_tasks(self._loop)
-            for task in pending:
-                task.cancel()
-            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            self._loop.close()
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         try:
@@ -308,7 +277,7 @@ class LinkEmulator:
                 if reset_after is not None and moved[0] > reset_after:
                     stats.resets += 1
                     for writer in pair:
-                        _reset(writer)
+                        reset(writer)
                     return
                 at = now + p.rtt / 2 + first_wait + (self._rng.uniform(0, p.jitter) if p.jitter else 0.0)
                 first_wait = 0.0
@@ -328,17 +297,6 @@ class LinkEmulator:
         finally:
             if timer[0] is not None:
                 timer[0].cancel()
-
-
-def _reset(writer: asyncio.StreamWriter) -> None:
-    """Close with an RST (SO_LINGER 0), not a FIN."""
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except OSError:
-            pass
-    writer.transport.abort()
 
 
 class LinkProcess:

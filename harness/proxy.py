@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import socket
-import struct
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from harness.loopserver import LoopServer, reset
 
 KINDS = ("reset_request", "reset_response", "truncate_response", "stall", "stall_response", "status", "refuse")
 CHUNK = 64 << 10
@@ -49,21 +48,11 @@ class Fault:
             raise ValueError(f"unknown fault {self.kind!r}: expected one of {KINDS}")
 
 
-def _reset(writer: asyncio.StreamWriter) -> None:
-    """Close with an RST (SO_LINGER 0), not a FIN."""
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except OSError:
-            pass
-    writer.transport.abort()
-
-
-class FaultProxy:
+class FaultProxy(LoopServer):
     """``with FaultProxy(upstream_port, rule) as proxy:`` and send requests to ``proxy.url``."""
 
     def __init__(self, upstream_port: int, rule: Callable[[int], Fault | None] = lambda n: None) -> None:
+        super().__init__("fault-proxy")
         self.upstream_port, self.rule = upstream_port, rule
         self.triggered: list[str] = []
         """Kinds of the faults that took effect so far, in order."""
@@ -74,30 +63,11 @@ class FaultProxy:
         self._down_until = 0.0
         self._live: set[asyncio.StreamWriter] = set()
         self._throttle: tuple[Fault, int] | None = None
-        self._handlers: set[asyncio.Task[None] | None] = set()
         self._serving = 0
         self.answers: list[bool] = []
         """Under ``throttle``: one entry per request, in order, True when the proxy throttled it."""
         self.requests: list[str] = []
         """Under ``throttle``: each request's first line (method and target), in order."""
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
-        self.port = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> FaultProxy:
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError("fault proxy did not start")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
     def arm(self, fault: Fault | None, times: int | None = 1, skip: int = 0) -> None:
         """Apply ``fault`` ``times`` times (None: every time), to connections opened after the next ``skip``:
@@ -130,34 +100,13 @@ class FaultProxy:
     def outage(self, seconds: float) -> None:
         """Reset every open connection now and refuse new ones for ``seconds``."""
         self._down_until = time.monotonic() + seconds
-        self._loop.call_soon_threadsafe(lambda: [_reset(w) for w in list(self._live)])
+        self._loop.call_soon_threadsafe(lambda: [reset(w) for w in list(self._live)])
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
-        self._ready.set()
-        try:
-            self._loop.run_forever()
-        finally:
-            server.close()
-            for writer in list(self._live):
-                writer.transport.abort()
-            pending = asyncio.all_tasks(self._loop)
-            for task in pending:
-                task.cancel()
-            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            self._loop.close()
+    def _closing(self) -> None:
+        for writer in list(self._live):
+            writer.transport.abort()
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        self._handlers.add(task)  # held: a handler its client abandoned is cancelled at the end, not collected
-        try:
-            await self._serve(client_r, client_w)
-        finally:
-            self._handlers.discard(task)
-
-    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         if self._throttle is not None:
             await self._throttled(client_r, client_w, *self._throttle)
             return
@@ -169,7 +118,7 @@ class FaultProxy:
             fault = None
         if fault is not None and fault.kind == "refuse":
             self.triggered.append(fault.kind)
-            _reset(client_w)
+            reset(client_w)
             return
         if fault is not None and fault.kind == "status":
             self.triggered.append(fault.kind)
@@ -178,7 +127,7 @@ class FaultProxy:
         try:
             upstream_r, upstream_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         except OSError:
-            _reset(client_w)
+            reset(client_w)
             return
         pair = (client_w, upstream_w)
         self._live.update(pair)
@@ -224,7 +173,7 @@ class FaultProxy:
                         return
                     else:
                         for writer in pair:
-                            _reset(writer)
+                            reset(writer)
                         return
                 else:
                     dst.write(data)
@@ -252,7 +201,7 @@ class FaultProxy:
             upstream_r, upstream_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         except OSError:
             self._serving -= 1
-            _reset(client_w)
+            reset(client_w)
             return
         lines = [line for line in head.split(b"\r\n")[:-2] if not line.lower().startswith(b"connection:")]
         upstream_w.write(b"\r\n".join([*lines, b"Connection: close", b"", b""]))
