@@ -1,4 +1,4 @@
-"""PyTorch Lightning checkpoints through fastckpt, on any backend.
+"""PyTorch Lightning checkpoints through fastckpt, on any backend: a drop-in for ``TorchCheckpointIO``.
 
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -6,37 +6,51 @@
 
     trainer = Trainer(plugins=[fastckpt.lightning.CheckpointIO()],   # or AsyncCheckpointIO(): saves off the loop
                       callbacks=[ModelCheckpoint(dirpath="fastckpt://s3://bucket/run/ckpts", save_top_k=3, ...)])
-    trainer.fit(model, ckpt_path="fastckpt://s3://bucket/run/ckpts/epoch=3-step=400.ckpt")
+    trainer.fit(model, ckpt_path="last")
 
-Each Lightning checkpoint is a committed fastckpt checkpoint at its path: the dict ``torch.save``d into one file,
-``checkpoint.pt``, uploaded in parallel parts with its chunk digests in the manifest, then the commit marker; a save
-that fails or dies midway leaves nothing a load would take. Loads read it back verified; removals (Lightning's
-``save_top_k``) delete the marker first, then the files. Paths are fastckpt URIs, or ``fastckpt://`` URLs so that
-Lightning's own fsspec calls (``ModelCheckpoint``'s listing and existence checks) reach fastckpt too.
+A checkpoint is the file Lightning expects at its path: the ``torch.save`` bytes ``TorchCheckpointIO`` writes, so
+``torch.load``, ``load_from_checkpoint`` and every tool that reads a ``.ckpt`` read it. fastckpt uploads it in
+parallel parts and records its digests in a hidden sidecar beside it (``.NAME.ckpt.fastckpt``,
+``checkpoint.one_file``): saving over a path replaces the file atomically (``last.ckpt`` every epoch), a load
+through the plugin checks every byte against the record, and a removal leaves neither file nor sidecar. Paths are
+fastckpt URIs, or ``fastckpt://`` URLs so that Lightning's own fsspec calls (``ModelCheckpoint``'s listing and
+existence checks, ``load_from_checkpoint``) reach fastckpt too. Checkpoints that earlier fastckpt versions saved as
+a folder at the path still load and remove.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
+import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _BaseCheckpointIO
 from lightning.fabric.utilities.cloud_io import _load
 from lightning.pytorch.plugins.io import AsyncCheckpointIO as _AsyncCheckpointIO
 from lightning.pytorch.plugins.io import CheckpointIO as _CheckpointIO
 
 from ._loop import BackgroundLoop
-from .checkpoint import CheckpointWriter, open_checkpoint_async
+from .checkpoint import open_checkpoint_async
 from .checkpoint.manifest import marker_key
+from .checkpoint.one_file import load_one_file, load_unverified, remove_one_file, save_one_file
 from .config import TransferConfig
 from .engine.layout import Layout, read_layout
 from .engine.open_stores import store_for
 from .engine.transfer import Transfer
-from .uri import parse_uri
+from .errors import CheckpointError, ObjectNotFoundError, StoreError
+from .stores.base import Store
+from .threads import off_loop
+from .uri import StorageURI, parse_uri
 
-NAME = "checkpoint.pt"
-"""The one file of a Lightning checkpoint inside its fastckpt checkpoint."""
+__all__ = ["PREFIX", "AsyncCheckpointIO", "CheckpointIO", "checkpoint_uri"]
+
 PREFIX = "fastckpt://"
+FOLDER_FILE = "checkpoint.pt"
+"""The one file of a checkpoint saved as a folder (fastckpt before the sidecar format)."""
 
 
 def checkpoint_uri(path: str | Path) -> str:
@@ -46,75 +60,111 @@ def checkpoint_uri(path: str | Path) -> str:
 
 
 class CheckpointIO(_CheckpointIO):
-    """Lightning's ``CheckpointIO`` over fastckpt: ``Trainer(plugins=[CheckpointIO()])``."""
+    """Lightning's ``CheckpointIO`` over fastckpt: ``Trainer(plugins=[CheckpointIO()])``.
 
-    def __init__(self, config: TransferConfig | None = None) -> None:
+    ``allow_unverified``: load a checkpoint file that has no fastckpt record beside it (written by
+    ``TorchCheckpointIO`` or another tool) as it is; by default that is a CheckpointError naming this option.
+    """
+
+    def __init__(self, *, config: TransferConfig | None = None, allow_unverified: bool = False) -> None:
         super().__init__()
+        if config is not None and not isinstance(config, TransferConfig):
+            raise TypeError(f"config must be a fastckpt TransferConfig, not {type(config).__name__}")
         self.config = config
+        self.allow_unverified = allow_unverified
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
-        """Commit ``checkpoint`` at ``path`` (``storage_options`` are not used: options come with the URI)."""
+        """Write ``checkpoint`` (``torch.save``) as the file at ``path``, replacing any there atomically.
+        ``storage_options`` are refused, as ``TorchCheckpointIO`` refuses them: options come with the URI."""
         import torch
 
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (got "
+                            f"{storage_options!r}): set store options in the URI or the config")
         buf = io.BytesIO()
         torch.save(checkpoint, buf)
-        BackgroundLoop.get().run(self._save(checkpoint_uri(path), buf.getbuffer()))
+        BackgroundLoop.get().run(self._save(_target(path), buf.getbuffer()))
 
-    async def _save(self, uri: str, data: memoryview) -> None:
-        async with CheckpointWriter(uri, config=self._config()) as writer:
-            await writer.put_layout(NAME, Layout([data]))
+    async def _save(self, target: StorageURI, data: memoryview) -> None:
+        async with self._transfer(target) as transfer:
+            if await _folder_committed(transfer.store, target):  # saved as a folder by an earlier version
+                await _remove_folder(transfer.store, target)
+            await save_one_file(transfer, target.key, Layout([data]))
 
     def load_checkpoint(self, path: str | Path, map_location: Any = None, weights_only: bool | None = None
                         ) -> dict[str, Any]:
-        """The checkpoint committed at ``path``, every chunk checked against the manifest (CheckpointError when
-        it is not committed, IntegrityError when a byte differs)."""
-        data = BackgroundLoop.get().run(self._load(checkpoint_uri(path)))
+        """The checkpoint saved at ``path``, every byte checked against its record (CheckpointError when it has
+        none, IntegrityError when a byte differs)."""
+        data = BackgroundLoop.get().run(self._load(_target(path, follow_links=True)))
         return _load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
 
-    async def _load(self, uri: str) -> bytearray:
-        target, cfg = parse_uri(uri), self._config()
-        async with store_for(target, cfg) as store:
-            ckpt = await open_checkpoint_async(target, config=cfg, store=store)
-            digest = ckpt.files.get(NAME)
-            if digest is None:
-                raise FileNotFoundError(f"{uri} is a fastckpt checkpoint, but not one saved by fastckpt.lightning")
-            data = bytearray(digest.size)
-            transfer = Transfer(store, cfg)
+    async def _load(self, target: StorageURI) -> bytearray:
+        async with self._transfer(target) as transfer:
             try:
-                digest.check(await read_layout(transfer, ckpt.file_key(NAME), 0, Layout([data]), digest.chunk_size),
-                             f"{uri}/{NAME}")
-            finally:
-                transfer.close()
-        return data
+                return await load_one_file(transfer, target.key)
+            except (CheckpointError, ObjectNotFoundError, IsADirectoryError) as exc:
+                if await _folder_committed(transfer.store, target):
+                    return await _load_folder(transfer, target)
+                if self.allow_unverified and isinstance(exc, CheckpointError):
+                    return await load_unverified(transfer, target.key)
+                if isinstance(exc, CheckpointError):
+                    raise CheckpointError(f"{exc}; CheckpointIO(allow_unverified=True) loads it unchecked") from None
+                raise
 
     def remove_checkpoint(self, path: str | Path) -> None:
-        """Delete the checkpoint at ``path``: its commit marker first (no reader takes it from then on), then the
-        rest."""
-        BackgroundLoop.get().run(self._remove(checkpoint_uri(path)))
+        """Delete the checkpoint at ``path``: its record first (no load takes the file from then on), then the file.
+        A symbolic link (``save_last="link"``) is removed, not what it points to."""
+        if _is_local(path) and os.path.islink(checkpoint_uri(path)):
+            os.unlink(checkpoint_uri(path))
+            return
+        BackgroundLoop.get().run(self._remove(_target(path)))
 
-    async def _remove(self, uri: str) -> None:
-        target, cfg = parse_uri(uri), self._config()
-        async with store_for(target, cfg) as store:
-            keys = [m.key async for m in store.list(target.key)]
-            marker = marker_key(target.key)
-            if marker in keys:
-                await store.delete(marker)
-            await store.delete_many([k for k in keys if k != marker])
+    async def _remove(self, target: StorageURI) -> None:
+        async with store_for(target, self._config()) as store:
+            if await _folder_committed(store, target):
+                await _remove_folder(store, target)
+            await remove_one_file(store, target.key)
 
     def _config(self) -> TransferConfig:
         return self.config or TransferConfig.from_env()
 
+    @contextlib.asynccontextmanager
+    async def _transfer(self, target: StorageURI) -> AsyncIterator[Transfer]:
+        """A ``Transfer`` on the kept store of ``target``."""
+        config = self._config()
+        async with store_for(target, config) as store:
+            transfer = Transfer(store, config)
+            try:
+                yield transfer
+            finally:
+                transfer.close()
+
 
 class AsyncCheckpointIO(_AsyncCheckpointIO):
-    """``CheckpointIO`` whose saves run on a background thread: training goes on while a checkpoint uploads
-    (Lightning waits for the last one before it exits)."""
+    """Lightning's ``AsyncCheckpointIO``: saves run on a background thread while training goes on (Lightning waits
+    for the last one before it exits). ``checkpoint_io`` is the ``CheckpointIO`` it wraps (fastckpt's, with
+    ``config``, by default)."""
 
-    def __init__(self, config: TransferConfig | None = None) -> None:
-        super().__init__(CheckpointIO(config))
+    def __init__(self, checkpoint_io: _BaseCheckpointIO | None = None, *, config: TransferConfig | None = None
+                 ) -> None:
+        if checkpoint_io is not None and not isinstance(checkpoint_io, _BaseCheckpointIO):
+            raise TypeError(f"checkpoint_io must be a Lightning CheckpointIO, not {type(checkpoint_io).__name__}"
+                            + (" (pass a fastckpt TransferConfig as config=)"
+                               if isinstance(checkpoint_io, TransferConfig) else ""))
+        if checkpoint_io is not None and config is not None:
+            raise ValueError("config= configures the CheckpointIO made here: pass it to your checkpoint_io instead")
+        super().__init__(checkpoint_io if checkpoint_io is not None else CheckpointIO(config=config))
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
+        """Queued to the background thread; on a local disk the folder is made first, as Lightning links
+        ``last.ckpt`` to the new file (``save_last="link"``) before it is written."""
+        if _is_local(path):
+            os.makedirs(os.path.dirname(os.path.abspath(checkpoint_uri(path))), exist_ok=True)
+        super().save_checkpoint(checkpoint, path, storage_options)
 
     def remove_checkpoint(self, path: str | Path) -> None:
         """Queued behind the saves submitted before it. (Lightning's own removes at once, while the save it removes
-        may still be running: that save then commits after the delete, and the checkpoint comes back half.)"""
+        may still be running: that save then lands after the delete, and the checkpoint comes back.)"""
         self._ensure_setup()
         inner = self.checkpoint_io
         assert inner is not None and self._executor is not None
@@ -128,3 +178,48 @@ class AsyncCheckpointIO(_AsyncCheckpointIO):
         self._executor.submit(remove)
         if self._error:
             raise self._error
+
+
+def _is_local(path: str | Path) -> bool:
+    return parse_uri(checkpoint_uri(path)).backend == "local"
+
+
+def _target(path: str | Path, follow_links: bool = False) -> StorageURI:
+    """The URI of ``path``; a local symbolic link (``save_last="link"``) resolved when ``follow_links``, so that the
+    record beside the file it names is found."""
+    uri = checkpoint_uri(path)
+    if follow_links and _is_local(path) and os.path.islink(uri):
+        uri = os.path.realpath(uri)
+    return parse_uri(uri)
+
+
+async def _folder_committed(store: Store, target: StorageURI) -> bool:
+    """Whether ``target`` is a checkpoint saved as a folder (fastckpt before the sidecar format); a failed look (a
+    file at the path, on a local disk) counts as no."""
+    try:
+        await store.head(marker_key(target.key))
+    except StoreError:
+        return False
+    return True
+
+
+async def _load_folder(transfer: Transfer, target: StorageURI) -> bytearray:
+    ckpt = await open_checkpoint_async(target, config=transfer.config, store=transfer.store)
+    digest = ckpt.files.get(FOLDER_FILE)
+    if digest is None:
+        raise FileNotFoundError(f"{target.raw} is a fastckpt checkpoint, but not one saved by fastckpt.lightning")
+    data = bytearray(digest.size)
+    chunks = await read_layout(transfer, ckpt.file_key(FOLDER_FILE), 0, Layout([data]), digest.chunk_size)
+    digest.check(chunks, f"{target.raw}/{FOLDER_FILE}")
+    return data
+
+
+async def _remove_folder(store: Store, target: StorageURI) -> None:
+    """Delete a checkpoint saved as a folder: its commit marker first, then the rest (on a local disk, the folder)."""
+    keys = [m.key async for m in store.list(target.key)]
+    marker = marker_key(target.key)
+    if marker in keys:
+        await store.delete(marker)
+    await store.delete_many([k for k in keys if k != marker])
+    if target.backend == "local":
+        await off_loop(shutil.rmtree, "/" + target.key, True)

@@ -2,6 +2,7 @@
 
 ``writer`` (each rank's files) over ``commit`` (the protocol all ranks run together) and ``attempt`` (run ids);
 ``catalog`` (list, latest), ``reader`` (open, download, verify), ``gc``; ``sync`` holds the blocking twins.
+``one_file``: a checkpoint that is one file at its own path (a framework's format), its digests in a sidecar.
 ``TorchBarrier`` (``fastckpt.checkpoint.barrier_torch``) and ``RayBarrier`` (``fastckpt.checkpoint.barrier_ray``)
 are imported from their modules, so torch and ray stay optional.
 """

@@ -1,7 +1,7 @@
 """A small Lightning fit on CPU with checkpoints through fastckpt: ``python -m tests.ranks.lightning_job SPEC_JSON``.
 
 Spec keys: dirpath (ModelCheckpoint's, a ``fastckpt://`` URL), epochs, ckpt_path (resume from it, or null), die_at
-(SIGKILL this process when that epoch starts, once the previous epoch's checkpoint is committed; or null), asynchronous
+(SIGKILL this process when that epoch starts, once the previous epoch's checkpoint loads; or null), asynchronous
 (``AsyncCheckpointIO``), out (a JSON file: the final weights).
 """
 
@@ -38,7 +38,7 @@ class Regression(pl.LightningModule):
 
 
 class DieAt(Callback):
-    """SIGKILL when epoch ``epoch`` starts, once the previous epoch's checkpoint is committed (an asynchronous save
+    """SIGKILL when epoch ``epoch`` starts, once the previous epoch's checkpoint loads (an asynchronous save
     may still be uploading: a process killed before that loses it, as any in-process save)."""
 
     def __init__(self, epoch: int, dirpath: str) -> None:
@@ -47,11 +47,13 @@ class DieAt(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if trainer.current_epoch != self.epoch:
             return
-        want = f"epoch={self.epoch - 1}.ckpt"
+        want = f"{self.dirpath}/epoch={self.epoch - 1}.ckpt"
         for _ in range(600):
-            if any(c.name == want and c.state == "committed" for c in fastckpt.list_checkpoints(self.dirpath)):
+            try:
+                fl.CheckpointIO().load_checkpoint(want)
                 break
-            time.sleep(0.05)
+            except (fastckpt.CheckpointError, fastckpt.ObjectNotFoundError):
+                time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
