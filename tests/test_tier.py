@@ -413,7 +413,8 @@ def test_dcp_writer_and_reader_with_a_tier(tmp_path: Path) -> None:
     size = os.path.getsize(f"{uri}/rank-00000.distcp")
     moved, copy = tmp_path / "moved", "/" + tier.copy_of(uri).join("rank-00000.distcp")
     shutil.move(f"{uri}/rank-00000.distcp", moved)
-    assert loaded() == {"tier": size + os.path.getsize(f"{uri}/.metadata"), "uri": 0}  # the tier's copy
+    index = os.path.getsize(f"{uri}/.metadata") + os.path.getsize(f"{uri}/.metadata.fastckpt")
+    assert loaded() == {"tier": size + index, "uri": 0}  # the tier's copy
     shutil.move(moved, f"{uri}/rank-00000.distcp")
     with open(copy, "r+b") as f:  # the tier's copy damaged: that file is read from the URI
         f.seek(size // 2)

@@ -105,3 +105,84 @@ def test_fastckpt_torch_ranks_through_torch_distributed(tmp_path: Path) -> None:
     assert fastckpt.latest(base).endswith("/t")
     with pytest.raises(CheckpointError, match="not committed"):
         fastckpt.open_checkpoint(below(base, "u"))
+
+
+def drop_in(mode: str, uri: str) -> subprocess.CompletedProcess[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return subprocess.run([sys.executable, "-m", "tests.ranks.dcp_drop_in", mode, uri, "2", str(port)], cwd=REPO,
+                          capture_output=True, text=True, timeout=280)
+
+
+@pytest.mark.parametrize("backend", ["local", "s3", "gcs", "azure"])
+def test_repeated_saves_to_one_path_with_resharding(backend: str, tmp_path: Path,
+                                                    request: pytest.FixtureRequest) -> None:
+    """Code written for ``FileSystemWriter`` saves to one path again and again (DCP's ``overwrite=True``), with another
+    shard plan each time: each save replaces the last, ``overwrite=False`` is refused (checked in the job)."""
+    base = f"file://{tmp_path}/store" if backend == "local" else request.getfixturevalue(f"{backend}_uri")
+    ok(drop_in("resave", base))
+    assert fastckpt.verify(below(base, "o")).ok
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_stock_options_and_zstandard(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    base = f"file://{tmp_path}/store" if backend == "local" else request.getfixturevalue("s3_uri")
+    ok(drop_in("options", base))
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_checkpoints_move_between_fastckpt_and_the_stock_classes(backend: str, tmp_path: Path,
+                                                                 request: pytest.FixtureRequest) -> None:
+    base = f"file://{tmp_path}/store" if backend == "local" else request.getfixturevalue("s3_uri")
+    ok(drop_in("interop", base))
+
+
+def test_a_rank_killed_mid_overwrite_leaves_the_old_checkpoint(tmp_path: Path) -> None:
+    base = f"file://{tmp_path}/store"
+    assert drop_in("crash", base).returncode != 0
+    ok(drop_in("survivor", base))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_tools_read_what_fastckpt_wrote(tmp_path: Path) -> None:
+    """``dcp_to_torch_save`` (and so DCP's other offline tools) converts a fastckpt checkpoint, saved over once."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from fastckpt.torch.dcp import Writer
+
+    path = str(tmp_path / "ckpt")
+    for step in (1, 2):
+        state = {"w": torch.full((64, 32), float(step)), "b": torch.arange(5, dtype=torch.bfloat16), "step": step,
+                 "opt": {"lr": 0.1 * step, "name": "adam"}}
+        dcp.save(state, storage_writer=Writer(path), no_dist=True)
+    dcp_to_torch_save(path, tmp_path / "out.pt")
+    back = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
+    assert (back["step"], back["opt"]) == (2, {"lr": 0.2, "name": "adam"})
+
+
+def test_every_stock_argument_is_taken() -> None:
+    """Each parameter of ``FileSystemWriter`` / ``FileSystemReader`` (with its stock default) and the common fsspec
+    storage options are accepted by name; an option fastckpt cannot honour is named in a ValueError, never a
+    TypeError."""
+    import inspect
+
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    from fastckpt.torch.dcp import Reader, Writer
+
+    for stock, ours in ((FileSystemWriter, Writer), (FileSystemReader, Reader)):
+        params = list(inspect.signature(stock.__init__).parameters.values())[1:]
+        given = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+        ours("/tmp/x", **given)  # by name
+        ours("/tmp/x", *given.values())  # in the stock order
+    writer = Writer("s3://bucket/ckpt", endpoint_url="http://127.0.0.1:1", client_kwargs={"region_name": "eu-1"})
+    assert writer._target().options == {"endpoint_override": "http://127.0.0.1:1", "region": "eu-1"}
+    with pytest.raises(ValueError, match=r"\['key', 'secret'\]"):
+        Reader("s3://bucket/ckpt", key="id", secret="s")
+    with pytest.raises(ValueError, match="TORCH_SAVE"):
+        from torch.distributed.checkpoint.filesystem import SerializationFormat
+        Writer("/tmp/x", serialization_format=SerializationFormat.SAFETENSORS)

@@ -18,7 +18,7 @@ from ..stores.base import Store
 from ..tasks import gather_bounded
 from ..uri import StorageURI, join_key, parse_uri
 from .catalog import COMMITTED, SCAN_CONCURRENCY, candidates, info_of
-from .manifest import MARKER, META_DIR, FileEntry, file_doc, file_entry
+from .manifest import GENERATION, MARKER, META_DIR, FileEntry, file_doc, file_entry
 from .reader import load
 
 LATEST = "latest"
@@ -32,17 +32,20 @@ class BaseCheckpoint:
     uri: str
     key: str
     files: dict[str, FileEntry]
+    root: str = ""
+    """Folder of the files relative to the checkpoint (``Checkpoint.root``)."""
 
     def object(self, name: str) -> BaseObject | None:
         """File ``name`` of the base, when it has one."""
         entry = self.files.get(name)
         if entry is None:
             return None
-        return BaseObject(join_key(self.key, name), entry.digest, tuple(bytes.fromhex(c) for c in entry.chunks))
+        return BaseObject(join_key(self.key, self.root, name), entry.digest,
+                          tuple(bytes.fromhex(c) for c in entry.chunks))
 
     def encode(self) -> bytes:
         """Bytes for the other ranks."""
-        return json.dumps({"kind": _KIND, "uri": self.uri, "key": self.key,
+        return json.dumps({"kind": _KIND, "uri": self.uri, "key": self.key, "root": self.root,
                            "files": [file_doc(e) for e in self.files.values()]}, separators=(",", ":")).encode()
 
     @classmethod
@@ -57,7 +60,10 @@ class BaseCheckpoint:
             if doc.get("uri") is None:
                 return None
             files = [file_entry(f) for f in doc["files"]]
-            return cls(str(doc["uri"]), str(doc["key"]), {f.name: f for f in files})
+            root = str(doc.get("root", ""))
+            if root and not root.startswith(GENERATION):
+                raise ValueError(f"files kept in {root!r}")
+            return cls(str(doc["uri"]), str(doc["key"]), {f.name: f for f in files}, root)
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{what}: malformed base document ({exc!r})") from None
 
@@ -70,9 +76,11 @@ def encode_none(error: str | None = None) -> bytes:
     return json.dumps(doc).encode()
 
 
-async def resolve_base(store: Store, target: StorageURI, base: str | StorageURI) -> BaseCheckpoint | None:
+async def resolve_base(store: Store, target: StorageURI, base: str | StorageURI, *, overwrite: bool = False
+                       ) -> BaseCheckpoint | None:
     """The committed checkpoint ``base`` names for a new checkpoint at ``target`` on ``store``: a URI in the same
-    bucket, or ``"latest"`` (the newest committed checkpoint beside ``target``; None when there is none yet)."""
+    bucket, or ``"latest"`` (the newest committed checkpoint beside ``target``; None when there is none yet).
+    ``overwrite`` (the new checkpoint replaces the one at ``target``): ``target`` itself may be the base."""
     if isinstance(base, str) and base == LATEST:
         found = await _latest_beside(store, target)
         if found is None:
@@ -81,7 +89,7 @@ async def resolve_base(store: Store, target: StorageURI, base: str | StorageURI)
     else:
         where = parse_uri(base) if isinstance(base, str) else base
         _same_bucket(where, target)
-    if where.key.strip("/") == target.key.strip("/"):
+    if where.key.strip("/") == target.key.strip("/") and not overwrite:
         raise ValueError(f"base {where.raw} is the checkpoint being written")
     ckpt = await load(store, where, allow_uncommitted=False)
     if ckpt.problems:
@@ -89,7 +97,7 @@ async def resolve_base(store: Store, target: StorageURI, base: str | StorageURI)
                               f"{ckpt.problems[0].reason}")
     files = {name: FileEntry(name, digest, ckpt.chunks.get(name, ()))
              for name, digest in ckpt.files.items() if digest is not None}
-    return BaseCheckpoint(where.uri(), ckpt.key, files)
+    return BaseCheckpoint(where.uri(), ckpt.key, files, ckpt.root)
 
 
 async def _latest_beside(store: Store, target: StorageURI) -> str | None:

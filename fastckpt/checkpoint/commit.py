@@ -5,6 +5,7 @@ rank failed, so that nothing commits and the others learn why."""
 from __future__ import annotations
 
 import abc
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from .manifest import (
     meta_prefix,
     rank_key,
 )
+from .reader import Checkpoint, load
 
 CHECK_CONCURRENCY = 64
 """Requests in flight while rank 0 checks the files before committing."""
@@ -71,6 +73,16 @@ class Commit(abc.ABC):
     per_node: bool
     """Each rank writes into a store of its own node (a memory tier), not one store shared by all ranks: the root
     checks no other rank's files, and every rank creates the marker in its own store."""
+    overwrite: bool
+    """The commit may replace a committed checkpoint (whose files lie outside ``root``)."""
+    root: str
+    """Folder of the files relative to the checkpoint (empty: the checkpoint itself)."""
+    _publish: dict[str, bytes]
+    """Written at the checkpoint itself once committed, before the replaced checkpoint's files go (``publish``)."""
+
+    def _key(self, name: str) -> str:
+        """Store key of this checkpoint's file ``name``."""
+        return self.uri.join(self.root, name)
 
     @property
     def attempt(self) -> str:
@@ -89,21 +101,28 @@ class Commit(abc.ABC):
     def _manifest(self, error: str | None = None) -> bytes:
         files = tuple(e for _, e in sorted(self._entries.items()) if e is not None) if error is None else ()
         copied = self._copied if error is None else 0
-        return RankManifest(self.attempt, self.rank, self.world_size, files, error, copied=copied).encode()
+        return RankManifest(self.attempt, self.rank, self.world_size, files, error, copied=copied,
+                            root=self.root).encode()
 
     @abc.abstractmethod
     async def _close(self) -> None:
         """Release what the writer holds (its transfer, the store it opened)."""
 
     async def _refuse_committed(self, what: str = "") -> None:
-        """CheckpointError when the checkpoint is committed (by whichever writer); ``what`` was not written."""
+        """CheckpointError when the checkpoint is committed (by whichever writer; with ``overwrite``, by this
+        attempt); ``what`` was not written."""
         key = marker_key(self.uri.key)
         try:
-            await self._rv.store.head(key)
+            if self.overwrite:
+                if CommitMarker.decode(await read_object(self._rv.store, key), key).attempt != self.attempt:
+                    return
+            else:
+                await self._rv.store.head(key)
         except ObjectNotFoundError:
             return
         raise CheckpointError(f"checkpoint {self.uri.raw} is already committed; refusing to write it again"
-                              + (f" ({what} not written)" if what else ""))
+                              + (f" ({what} not written)" if what else "")
+                              + ("" if self.overwrite else " (overwrite=True replaces it)"))
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
@@ -165,7 +184,7 @@ class Commit(abc.ABC):
         the files another writer noted as replaced (its notes in ``.fastckpt/.replaced/``) are read back one by
         one, so a file taken over by another writer fails the commit even when the sizes agree."""
         store, meta = self._rv.store, meta_prefix(self.uri.key)
-        entries = {self.uri.join(e.name): (m.rank, e) for m in manifests for e in m.files}
+        entries = {self._key(e.name): (m.rank, e) for m in manifests for e in m.files}
         listed: dict[str, ObjectMeta | None] = {}
         notes: list[str] = []
         async for obj in store.list(self.uri.key):
@@ -215,10 +234,14 @@ class Commit(abc.ABC):
         and the error to raise here after announcing it."""
         try:
             marker, manifests = build_marker(payloads, self.attempt, self.world_size, f"checkpoint {self.uri.raw}",
-                                             self.barrier.group_size_for(self.world_size))
+                                             self.barrier.group_size_for(self.world_size), self.root)
             if not self.per_node:
                 await self._check_files(manifests)
+            marker = dataclasses.replace(marker, published=tuple(sorted(self._publish)))
+            previous = await self._replaced() if self.overwrite else None
             await self._create_marker(marker.encode())
+            if self.overwrite:
+                await self._after_replacing(previous)
         except CheckpointError as exc:
             return {"ok": False, "error": str(exc)}, None
         except Exception as exc:  # re-raised by the caller once the others know
@@ -230,13 +253,44 @@ class Commit(abc.ABC):
         return outcome, None
 
     async def _create_marker(self, data: bytes) -> None:
+        """Create the marker; with ``overwrite``, replace one of another attempt (a single write: readers see the old
+        marker or this one)."""
         key = marker_key(self.uri.key)
         store = self._rv.store
         try:
             await store.put(key, data, if_absent=True)
         except AlreadyExistsError:
-            if await read_object(store, key) != data:  # not our own write, retried after a lost reply
+            found = await read_object(store, key)
+            if found == data:  # our own write, retried after a lost reply
+                return
+            if not self.overwrite or CommitMarker.decode(found, key).attempt == self.attempt:
                 raise CheckpointError(f"checkpoint {self.uri.raw} was committed by another writer meanwhile") from None
+            await store.put(key, data)
+
+    async def _replaced(self) -> Checkpoint | None:
+        """Root, before replacing the marker: the committed checkpoint being replaced (None when there is none)."""
+        try:
+            return await load(self._rv.store, self.uri, allow_uncommitted=False)
+        except CheckpointError:
+            return None
+
+    async def _after_replacing(self, previous: Checkpoint | None) -> None:
+        """Root, once the new marker is in place: write what was published, then delete the replaced checkpoint's
+        files and manifests (left to ``gc`` when that fails: the new checkpoint is committed either way)."""
+        store = self._rv.store
+        try:
+            for name, data in self._publish.items():
+                await store.put(self.uri.join(name), data)
+            if previous is None or previous.info.attempt in (None, self.attempt):
+                return
+            published = {self.uri.join(n) for n in self._publish}
+            old = [k for k in map(previous.file_key, previous.files) if k not in published]
+            meta = join_key(meta_prefix(self.uri.key), previous.info.attempt) + "/"
+            old += [m.key async for m in store.list(meta)]
+            await store.delete_many(old)
+        except Exception as exc:
+            log.warning("checkpoint %s is committed, but the one it replaced was not cleared (gc removes it): %s",
+                        self.uri.raw, exc)
 
     async def _outcome_from_marker(self) -> dict[str, object] | None:
         """Non-root whose wait for the root timed out: the outcome, if the root did commit our attempt."""

@@ -90,7 +90,8 @@ async def _gc_one(store: Store, base: StorageURI, key: str, is_checkpoint: bool,
             report.skipped.append(f"{name}: corrupt ({ckpt.problems[0].reason})")
             return
         else:
-            keep = {ckpt.file_key(n) for n in ckpt.files} | {marker_key(key)}
+            keep = {ckpt.file_key(n) for n in ckpt.files} | {join_key(key, n) for n in ckpt.published}
+            keep.add(marker_key(key))
             live = join_key(meta_prefix(key), ckpt.info.attempt or "") + "/"
             doomed = [m for m in objects if m.key not in keep and not m.key.startswith(live) and m.mtime <= cutoff]
     # data first and metadata last, so that an interrupted gc still finds the checkpoint next time

@@ -43,12 +43,14 @@ async def download_in_group(store: Store, base: StorageURI, cfg: TransferConfig,
     plan: dict[str, Any] = {}
     if call.rank == 0:
         try:
-            plan = {"files": await _plan(store, base, allow_uncommitted, call.size)}
+            planned, root = await _plan(store, base, allow_uncommitted, call.size)
+            plan = {"files": planned, "root": root}
         except Exception as exc:  # every rank raises it, once they have it
             plan = {"error": f"{type(exc).__name__}: {exc}"}
     plan = await call.share_plan(plan, store)
     call.raise_first([plan.get("error")])  # rank 0's, known to every rank now
     files: list[Planned] = [tuple(f) for f in plan["files"]]  # type: ignore[misc]
+    base = base.with_key(base.join(plan["root"]))  # the folder of the files (messages keep the URI as given)
     paths = dict(zip([f[0] for f in files], paths_below(dst, [f[0] for f in files]), strict=True))
     mine = [f for f in files if f[4] == call.rank]
     transfer = Transfer(store, cfg, progress)
@@ -70,8 +72,8 @@ async def download_in_group(store: Store, base: StorageURI, cfg: TransferConfig,
             for name, size, chunk, digest, _ in files]
 
 
-async def _plan(store: Store, base: StorageURI, allow_uncommitted: bool, world: int) -> list[Planned]:
-    """Rank 0: the checkpoint's files with their digests, each given an owner."""
+async def _plan(store: Store, base: StorageURI, allow_uncommitted: bool, world: int) -> tuple[list[Planned], str]:
+    """Rank 0: the checkpoint's files with their digests, each given an owner; the folder they lie in."""
     ckpt = await load(store, base, allow_uncommitted)
     if ckpt.problems:
         raise corrupt_error(base, ckpt)
@@ -86,7 +88,7 @@ async def _plan(store: Store, base: StorageURI, allow_uncommitted: bool, world: 
         heapq.heappush(loads, (held + sizes[name].size, owner))
         digest = sizes[name]
         planned.append((name, digest.size, digest.chunk_size, digest.digest, owner))
-    return sorted(planned)
+    return sorted(planned), ckpt.root
 
 
 def _exchange(call: GroupCall, files: list[Planned], paths: dict[str, str], fsync: bool

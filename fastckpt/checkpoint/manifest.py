@@ -32,6 +32,8 @@ META_DIR = ".fastckpt"
 MARKER = "COMMITTED"
 _MANIFEST_RE = re.compile(r"^rank-(\d{5,})\.json$")
 _ATTEMPT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+GENERATION = "v-"
+"""Prefix of the folder that holds the files of a save over a committed checkpoint (``generation_root``)."""
 
 
 def meta_prefix(checkpoint_key: str) -> str:
@@ -57,6 +59,19 @@ commit re-checks exactly those of its files (a dot: never an attempt id)."""
 def replaced_note_key(meta: str) -> str:
     """Key of a new note of replaced keys below the metadata directory ``meta``."""
     return join_key(meta, REPLACED_DIR, f"{uuid.uuid4().hex}.json")
+
+
+def generation_root(attempt: str) -> str:
+    """The folder, relative to the checkpoint, of the files of attempt ``attempt`` when it saves over the checkpoint
+    (``overwrite``): beside the files of the checkpoint it replaces, never over them."""
+    return GENERATION + check_attempt(attempt)
+
+
+def check_root(root: str, attempt: str, what: str) -> str:
+    """``root`` when it is empty or ``attempt``'s generation folder, else CheckpointError naming ``what``."""
+    if root not in ("", GENERATION + attempt):
+        raise CheckpointError(f"{what}: files kept in {root!r}, not in attempt {attempt!r}'s folder")
+    return root
 
 
 def group_key(meta: str, attempt: str, first: int) -> str:
@@ -114,6 +129,8 @@ class RankManifest:
     created_at: float = field(default_factory=time.time)
     copied: int = 0
     """Bytes of ``files`` the store copied from a base checkpoint instead of receiving them."""
+    root: str = ""
+    """Folder of the files, relative to the checkpoint (``generation_root``; empty: the checkpoint itself)."""
 
     @property
     def bytes(self) -> int:
@@ -131,6 +148,8 @@ class RankManifest:
             doc["error"] = self.error
         if self.copied:
             doc["copied"] = self.copied
+        if self.root:
+            doc["root"] = self.root
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -142,8 +161,10 @@ class RankManifest:
             twice = sorted(n for n, count in Counter(f.name for f in files).items() if count > 1)
             if twice:
                 raise ValueError(f"file name(s) {twice[:5]} listed more than once")
-            return cls(str(doc["attempt"]), int(doc["rank"]), int(doc["world_size"]), files,
-                       doc.get("error"), float(doc["created_at"]), int(doc.get("copied", 0)))
+            attempt = str(doc["attempt"])
+            return cls(attempt, int(doc["rank"]), int(doc["world_size"]), files, doc.get("error"),
+                       float(doc["created_at"]), int(doc.get("copied", 0)),
+                       check_root(str(doc.get("root", "")), attempt, what))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{what}: malformed manifest ({exc!r})") from None
 
@@ -162,6 +183,10 @@ class CommitMarker:
     """Ranks per group object (0: no group objects, each manifest is read on its own)."""
     copied: int = 0
     """Bytes of the files that the store copied from a base checkpoint."""
+    root: str = ""
+    """Folder of the files, relative to the checkpoint (a save over a committed one: ``generation_root``)."""
+    published: tuple[str, ...] = ()
+    """Objects written at the checkpoint itself, outside ``root``, for other tools (``CheckpointWriter.publish``)."""
 
     def encode(self) -> bytes:
         """Canonical JSON bytes."""
@@ -174,6 +199,10 @@ class CommitMarker:
             doc["group_size"] = self.group_size
         if self.copied:
             doc["copied"] = self.copied
+        if self.root:
+            doc["root"] = self.root
+        if self.published:
+            doc["published"] = list(self.published)
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -181,9 +210,12 @@ class CommitMarker:
         """Parse marker bytes; CheckpointError naming ``what`` when malformed."""
         doc = _load_json(data, what, "commit")
         try:
-            marker = cls(check_attempt(str(doc["attempt"])), int(doc["world_size"]),
-                         tuple(str(d) for d in doc["manifests"]), int(doc["files"]), int(doc["bytes"]),
-                         float(doc["committed_at"]), int(doc.get("group_size", 0)), int(doc.get("copied", 0)))
+            attempt = check_attempt(str(doc["attempt"]))
+            marker = cls(attempt, int(doc["world_size"]), tuple(str(d) for d in doc["manifests"]),
+                         int(doc["files"]), int(doc["bytes"]), float(doc["committed_at"]),
+                         int(doc.get("group_size", 0)), int(doc.get("copied", 0)),
+                         check_root(str(doc.get("root", "")), attempt, what),
+                         tuple(check_name(str(n)) for n in doc.get("published", ())))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{what}: malformed commit marker ({exc!r})") from None
         if len(marker.manifests) != marker.world_size:
@@ -252,8 +284,8 @@ def _load_json(data: bytes, what: str, kind: str) -> dict:
     return doc
 
 
-def build_marker(payloads: list[bytes], attempt: str, world_size: int, where: str, group_size: int = 0
-                 ) -> tuple[CommitMarker, list[RankManifest]]:
+def build_marker(payloads: list[bytes], attempt: str, world_size: int, where: str, group_size: int = 0,
+                 root: str = "") -> tuple[CommitMarker, list[RankManifest]]:
     """The marker that commits the manifests ``payloads`` (index = rank) of ``attempt`` (stored in group objects of
     ``group_size`` ranks as well, when not 0), and the manifests decoded.
 
@@ -271,6 +303,10 @@ def build_marker(payloads: list[bytes], attempt: str, world_size: int, where: st
             raise CheckpointError(f"{where}: manifest of rank {rank} is for rank {m.rank} of attempt "
                                   f"{m.attempt!r} (world size {m.world_size}), expected attempt {attempt!r} "
                                   f"(world size {world_size})")
+        if m.files and m.root != root:
+            raise CheckpointError(f"{where}: rank {rank} wrote its files in {m.root or 'the checkpoint'!r}, the "
+                                  f"others in {root or 'the checkpoint'!r} (a save over the checkpoint on some ranks "
+                                  "only: give every rank the same overwrite)")
         for f in m.files:
             if f.name in owners:
                 clashes.append(f"{f.name!r} by ranks {owners[f.name]} and {rank}")
@@ -279,5 +315,5 @@ def build_marker(payloads: list[bytes], attempt: str, world_size: int, where: st
         raise CheckpointError(f"{where}: the same file was written by two ranks: " + ", ".join(clashes))
     marker = CommitMarker(attempt, world_size, tuple(digest_of(p) for p in payloads),
                           sum(len(m.files) for m in manifests), sum(m.bytes for m in manifests), group_size=group_size,
-                          copied=sum(m.copied for m in manifests))
+                          copied=sum(m.copied for m in manifests), root=root)
     return marker, manifests

@@ -73,10 +73,15 @@ class Checkpoint:
     problems: tuple[BadFile, ...] = ()
     chunks: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Chunk digests (hex) of the files whose manifests record them."""
+    root: str = ""
+    """Folder of the files relative to the checkpoint (a save over a committed checkpoint keeps its files in one of
+    their own, ``manifest.generation_root``); empty: the checkpoint itself."""
+    published: tuple[str, ...] = ()
+    """Objects at the checkpoint itself that the commit wrote for other tools (not files of the checkpoint)."""
 
     def file_key(self, name: str) -> str:
         """Store key of file ``name``."""
-        return join_key(self.key, name)
+        return join_key(self.key, self.root, name)
 
 
 @dataclass(frozen=True)
@@ -142,7 +147,7 @@ async def load(store: Store, base: StorageURI, allow_uncommitted: bool, ranks: I
     state = CORRUPT if problems else COMMITTED
     info = CheckpointInfo(name, uri, state, marker.attempt, marker.world_size, marker.files, marker.bytes,
                           marker.committed_at)
-    return Checkpoint(info, key, files, problems, chunks)
+    return Checkpoint(info, key, files, problems, chunks, marker.root, marker.published)
 
 
 async def _grouped_manifests(store: Store, key: str, marker: CommitMarker) -> dict[int, bytes]:
@@ -171,10 +176,12 @@ async def _load_uncommitted(store: Store, base: StorageURI) -> Checkpoint:
     info = await info_of(store, base, key, metas)
     files: dict[str, FileDigest | None] = {}
     attempts = attempts_of(key, metas)
+    root = ""
     if info.attempt is not None:
         for m in await read_manifests(store, attempts[info.attempt].values()):
             if m is not None and m.error is None:
                 files.update({f.name: f.digest for f in m.files})
+                root = m.root or root
     else:
         for meta in await list_objects(store, key):
             rel = meta.key[len(key) + 1:] if key else meta.key
@@ -186,7 +193,7 @@ async def _load_uncommitted(store: Store, base: StorageURI) -> Checkpoint:
         if not files:
             raise ObjectNotFoundError(f"no checkpoint at {base.raw}: nothing found there")
         info = CheckpointInfo(info.name, info.uri, UNCOMMITTED, None, None, len(files), 0, None)
-    return Checkpoint(info, key, files)
+    return Checkpoint(info, key, files, root=root)
 
 
 async def open_checkpoint_async(uri: str | StorageURI, *, allow_uncommitted: bool = False,

@@ -7,7 +7,8 @@ with create-if-absent, and announces the outcome to every rank. Leaving with an 
 failure record to the barrier instead: nothing commits, and the other ranks raise CheckpointError
 naming the failed rank.
 
-A committed checkpoint is never changed. Data files and manifests are written create-if-absent, so no
+A committed checkpoint is never changed (``overwrite`` replaces it with a new one, whose files lie beside its own).
+Data files and manifests are written create-if-absent, so no
 writer replaces a file blindly. A file found under a name this rank is about to write is a leftover of
 an uncommitted attempt (a dead run): it is deleted first, unless the checkpoint is committed, in which
 case the writer fails before writing anything. A file created by another writer between that check
@@ -42,7 +43,15 @@ from .barrier import Barrier
 from .barrier_store import StoreBarrier, default_barrier
 from .base import BaseCheckpoint, encode_none, resolve_base
 from .commit import Commit, CommitResult
-from .manifest import FileEntry, check_attempt, check_name, meta_prefix, rank_key, replaced_note_key
+from .manifest import (
+    FileEntry,
+    check_attempt,
+    check_name,
+    generation_root,
+    meta_prefix,
+    rank_key,
+    replaced_note_key,
+)
 
 log = logging.getLogger("fastckpt")
 
@@ -69,6 +78,11 @@ class CheckpointWriter(Commit):
 
     ``per_node``: each rank's ``store`` is its own node's (a memory tier, ``fastckpt.tier``): the barrier must not be
     a store barrier, the root checks only the manifests, and every rank creates the marker in its own store.
+
+    ``overwrite``: the checkpoint may be committed already, and this one replaces it. Its files go into a folder of
+    their own beside the old ones (``generation_root``), the commit replaces the marker in one write (a reader sees
+    the old checkpoint or the new one, never a mix; a writer that dies before leaves the old one whole), and the old
+    files are deleted after it. Without it, a committed checkpoint is refused (CheckpointError).
     """
 
     def __init__(
@@ -84,6 +98,7 @@ class CheckpointWriter(Commit):
         progress: ProgressCallback | None = None,
         base: str | StorageURI | BaseCheckpoint | None = None,
         per_node: bool = False,
+        overwrite: bool = False,
     ) -> None:
         self.uri = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
         if self.uri.backend == "delegate":
@@ -92,7 +107,13 @@ class CheckpointWriter(Commit):
             raise ValueError(f"rank {rank} / world size {world_size}: need 0 <= rank < world_size")
         self.rank, self.world_size = rank, world_size
         self.barrier = barrier or default_barrier()
-        self.per_node = per_node
+        self.per_node, self.overwrite = per_node, overwrite
+        if per_node and overwrite:
+            raise ValueError("a checkpoint written per node (into tiers) cannot overwrite: save each step to a URI "
+                             "of its own")
+        self.root = ""
+        """Folder of this checkpoint's files relative to it (``overwrite``: ``generation_root``), once agreed."""
+        self._publish: dict[str, bytes] = {}
         if per_node and world_size > 1 and isinstance(self.barrier, StoreBarrier):
             raise ValueError(f"{type(self.barrier).__name__} meets in the store, which is not shared when every node "
                              "writes its own (per_node): use a TorchBarrier, RayBarrier or InProcessBarrier")
@@ -117,8 +138,10 @@ class CheckpointWriter(Commit):
         self._store = open_store(self.uri, self.config) if self._store is None else retrying(self._store, self.config)
         try:
             self.barrier.check_world(self._rv)
-            await self._refuse_committed()
+            if not self.overwrite:
+                await self._refuse_committed()
             self._attempt = self._attempt or attempt_from_env() or await self._agree_attempt()
+            self.root = generation_root(self.attempt) if self.overwrite else ""
             self.base = await self._agree_base()
             self._transfer = Transfer(self._store, self.config, self._progress)
         except BaseException as exc:
@@ -169,13 +192,13 @@ class CheckpointWriter(Commit):
         if base is None or isinstance(base, BaseCheckpoint):
             return base
         if self.world_size == 1:
-            return await resolve_base(self._rv.store, self.uri, base)
+            return await resolve_base(self._rv.store, self.uri, base, overwrite=self.overwrite)
         tag = f"{self.attempt}/base"
         if self.rank != 0:
             return BaseCheckpoint.decode(await self.barrier.broadcast(self._rv, tag, None),
                                          f"base of checkpoint {self.uri.raw} (from rank 0)")
         try:
-            found = await resolve_base(self._rv.store, self.uri, base)
+            found = await resolve_base(self._rv.store, self.uri, base, overwrite=self.overwrite)
         except Exception as exc:
             with contextlib.suppress(Exception):  # the others learn it now; the error itself is raised here
                 await self.barrier.broadcast(self._rv, tag, encode_none(f"rank 0 could not read the base: {exc}"))
@@ -216,7 +239,7 @@ class CheckpointWriter(Commit):
         try:
             for _, name in pairs:
                 names.append(self._reserve(name))
-            todo = [(p, self.uri.join(n)) for (p, _), n in zip(pairs, names, strict=True)]
+            todo = [(p, self._key(n)) for (p, _), n in zip(pairs, names, strict=True)]
             paths = {k: p for p, k in todo}
             kept = await self._clear_leftovers(list(paths), lambda k: transfer.holds_file(paths[k], k))
             bases = {} if self.base is None else {k: b for n, (_, k) in zip(names, todo, strict=True)
@@ -237,7 +260,7 @@ class CheckpointWriter(Commit):
         chunk digests go into the manifest, so readers of part of it verify what they read."""
         transfer = self._active()
         name = self._reserve(name)
-        key = self.uri.join(name)
+        key = self._key(name)
         try:
             part_size = plan_upload(layout.size, self.config, transfer.store).part_size
             chunks = await hash_layout(layout, part_size)
@@ -265,6 +288,14 @@ class CheckpointWriter(Commit):
             await self._refuse_committed()
             raise CheckpointError(f"{exc}: created meanwhile by another writer of checkpoint {self.uri.raw} "
                                   "(another rank writing the same name, or another job); not replaced") from exc
+
+    def publish(self, name: str, data: bytes) -> None:
+        """With ``overwrite``: once the new checkpoint is committed, and before the old one's files go, write ``data``
+        at ``name`` in the checkpoint itself, outside the new files' folder (an index another tool reads at a fixed
+        name, such as DCP's ``.metadata``). Not a file of the checkpoint: no manifest names it."""
+        if not self.overwrite:
+            raise CheckpointError("publish() goes with overwrite=True (without it, write the file with put_layout)")
+        self._publish[check_name(name)] = data
 
     def _unreserve(self, names: list[str]) -> None:
         for n in names:

@@ -1,17 +1,24 @@
-"""A ``torch.distributed.checkpoint`` storage plugin: ``dcp.save`` / ``async_save`` / ``load`` on any backend.
+"""A ``torch.distributed.checkpoint`` storage plugin: ``dcp.save`` / ``async_save`` / ``load`` on any backend, a
+drop-in for ``FileSystemWriter`` / ``FileSystemReader`` (same arguments, same meaning where fastckpt has one).
 
-Each rank writes its items into one file, ``rank-NNNNN.distcp`` (tensor bytes raw, byte items as DCP hands
-them over; in incremental saves its items of 1 MiB and more go to ``rank-NNNNN-large.distcp``), created if
-absent, with its chunk digests in the rank's manifest. The ranks' manifests reach the coordinator through
-DCP's own gather; in ``finish`` it writes DCP's ``.metadata`` and every manifest, then the commit marker. A
-save is visible only once the marker exists: DCP's ``.metadata`` alone commits nothing, and a rank that dies
-mid-save leaves an attempt that ``gc`` removes.
+What it writes is DCP's open format (``dcp_format``): each rank's items in one file, ``rank-NNNNN.distcp`` (in
+incremental saves its items of 1 MiB and more in ``rank-NNNNN-large.distcp``; with ``single_file_per_rank=False``
+one file per item), each tensor as ``torch.save`` bytes, and DCP's own ``.metadata``, so ``FileSystemReader``,
+``FsspecReader`` and ``dcp_to_torch_save`` read it. Beside it: the chunk digests in each rank's manifest, fastckpt's
+index of where tensors' raw bytes lie (``.metadata.fastckpt``), the commit marker. The ranks' manifests reach the
+coordinator through DCP's own gather; in ``finish`` it writes ``.metadata`` and every manifest, then the marker: a
+save is visible only once the marker exists, and a rank that dies mid-save leaves an attempt that ``gc`` removes.
 
-The reader opens committed checkpoints only. Any rank may read any part of any file (DCP reshards on
-load); every chunk read is checked against its recorded digest. ``.metadata`` is read with
-``torch.load(weights_only=True)``, allowing DCP's metadata classes and nothing else. With ``group=``
-(``Reader(uri, group=pg)``), the metadata is read once for the group and each byte that several ranks need is read
-from storage once (``group_dcp``).
+Saving again to the same path (``overwrite=True``, DCP's default) writes the new checkpoint's files into a folder of
+their own beside the old ones and switches with one write of the marker (``CheckpointWriter(overwrite=True)``), then
+replaces the top-level ``.metadata`` that the stock readers open, then deletes the old files: a reader sees the old
+checkpoint or the new one, and a save that dies leaves the old one loadable.
+
+The reader opens committed checkpoints (``allow_uncommitted=True``: also those the stock writer wrote, checked
+against their sizes only). Any rank may read any part of any file (DCP reshards on load); every chunk read is
+checked against its recorded digest. ``.metadata`` is read with ``torch.load(weights_only=True)``, allowing DCP's
+metadata classes and nothing else. With ``group=`` (``Reader(uri, group=pg)``), the metadata is read once for the
+group and each byte that several ranks need is read from storage once (``group_dcp``).
 """
 
 from __future__ import annotations
@@ -19,15 +26,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import io
 import os
+import pickle
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_meta
+from torch.distributed.checkpoint._extension import StreamTransformExtension
+from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
+    SerializationFormat,
+    _StorageInfo,
+    _StorageWriterTransforms,
+)
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -37,7 +51,7 @@ from ..checkpoint.attempt import attempt_from_env, new_attempt_id
 from ..checkpoint.barrier import HandedBarrier
 from ..checkpoint.base import BaseCheckpoint, resolve_base
 from ..checkpoint.commit import CommitResult
-from ..checkpoint.manifest import RankManifest
+from ..checkpoint.manifest import RankManifest, generation_root, marker_key
 from ..checkpoint.writer import CheckpointWriter
 from ..config import TransferConfig
 from ..engine.layout import Layout
@@ -48,8 +62,9 @@ from ..tier import Tier, ensure_agent
 from ..tier.layout import TierStore
 from ..tier.save import supersede, wait_durable
 from ..uri import StorageURI
-from .dcp_layout import rank_file, rank_files
-from .dcp_location import METADATA, StoredItem, _done, _Location, _run
+from .dcp_format import INDEX, Encoded, encode, encode_index, exact
+from .dcp_layout import rank_files
+from .dcp_location import METADATA, StoredItem, _done, _Location, _run, storage_query
 from .dcp_reader import Reader
 from .staging import byte_view
 from .tier_staging import write_in_tier
@@ -59,51 +74,90 @@ __all__ = ["Reader", "StoredItem", "Writer"]
 
 @dataclass(frozen=True)
 class _RankPlan:
-    """What the coordinator tells each rank: the attempt, its rank, the world size, and what of the base checkpoint
-    the rank's file may copy from (``BaseCheckpoint`` bytes)."""
+    """What the coordinator tells each rank: the attempt, its rank, the world size, the folder of the files
+    (``overwrite``: the attempt's own), and what of the base checkpoint the rank's file may copy from
+    (``BaseCheckpoint`` bytes)."""
 
     attempt: str
     rank: int
     world_size: int
     base: bytes | None = None
+    root: str = ""
 
 
 class Writer(_Location, StorageWriter, AsyncStager):
-    """``StorageWriter`` for ``dcp.save`` / ``dcp.async_save`` to the fastckpt checkpoint ``uri`` (any backend).
+    """``StorageWriter`` for ``dcp.save`` / ``dcp.async_save`` to the fastckpt checkpoint ``path`` (any backend): takes
+    ``FileSystemWriter``'s arguments.
+
+    - ``single_file_per_rank``: one file per rank (default), else one per item. ``sync_files=False``: local stores
+      do not fsync (as ``TransferConfig(fsync=False)``). ``thread_count``, when given, caps the requests in flight
+      (``TransferConfig.max_in_flight``; by default fastckpt sizes them to the link). ``per_thread_copy_ahead`` has no
+      meaning here: tensors are sent from their own memory, nothing is copied ahead.
+    - ``overwrite`` (DCP's default: True): a save to a path that holds a committed checkpoint replaces it atomically
+      (see the module); False: CheckpointError. Saves into a ``tier`` commit each step to a URI of its own and
+      do not overwrite.
+    - ``_extensions`` (``StreamTransformExtension``: ``ZStandard``, your own): applied to every item and recorded in
+      ``.metadata`` as DCP records them; the digests cover the stored (transformed) bytes. ``serialization_format``:
+      ``TORCH_SAVE`` only (what the stock readers read).
+    - ``cache_staged_state_dict``: ``dcp.async_save`` stages into host memory kept for the next save (``stage``).
 
     ``attempt`` names the run (default: from the environment, else drawn by the coordinator). ``base`` (a committed
     checkpoint's URI, or ``"latest"``) makes each save incremental: the coordinator reads the base once and each rank
     has the store copy the parts of its file that hold the same bytes as the base's file of that rank. ``tier`` (this
     node's tier directory): each rank's file goes into its node's tier and the save commits there, on the
-    coordinator's node (the ``fastckpt.tier`` agents drain it to ``uri``: ``wait_durable``; with ``base``, each agent
-    resolves the base in the durable store as it drains, and has the store copy the unchanged bytes).
-    ``cache_staged_state_dict`` (as on DCP's ``FileSystemWriter``): ``dcp.async_save`` stages into host memory kept
-    for the next save through this writer (``stage``; with DCP's default thread-based ``async_save``: a process-based
-    one writes in another process, so each save stages afresh). One save at a time per writer, as with DCP's own.
+    coordinator's node (the ``fastckpt.tier`` agents drain it to ``path``: ``wait_durable``; with ``base``, each agent
+    resolves the base in the durable store as it drains, and has the store copy the unchanged bytes). One save at a
+    time per writer, as with DCP's own. ``uri=`` is the same as ``path``.
     """
 
     _synchronize_after_execute = False
     """``stage`` returns once the copy is done: there is nothing for DCP to synchronize."""
 
-    def __init__(self, uri: str | os.PathLike[str] | None = None, *, attempt: str | None = None,
+    def __init__(self, path: str | os.PathLike[str] | None = None, single_file_per_rank: bool = True,
+                 sync_files: bool = True, thread_count: int | None = None, per_thread_copy_ahead: int = 10_000_000,
+                 cache_staged_state_dict: bool = False, overwrite: bool | None = None,
+                 _extensions: Sequence[StreamTransformExtension] | None = None,
+                 serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE, *,
+                 uri: str | os.PathLike[str] | None = None, attempt: str | None = None,
                  config: TransferConfig | None = None, base: str | None = None,
-                 tier: str | os.PathLike[str] | Tier | None = None, cache_staged_state_dict: bool = False) -> None:
+                 tier: str | os.PathLike[str] | Tier | None = None, **storage_options: Any) -> None:
         super().__init__()
-        self.uri = os.fspath(uri) if uri is not None else None
-        self.attempt, self.config, self.base = attempt, config, base
+        if path is not None and uri is not None:
+            raise ValueError("give the checkpoint as path or as uri=, not both")
+        self.storage_options = storage_query(storage_options)
+        if serialization_format != SerializationFormat.TORCH_SAVE:
+            raise ValueError(f"serialization_format={serialization_format}: fastckpt writes DCP's TORCH_SAVE format "
+                             "(what FileSystemReader reads)")
+        if thread_count is not None and thread_count < 1:
+            raise ValueError(f"thread_count={thread_count}: need at least 1")
+        self.tier = tier if tier is None or isinstance(tier, Tier) else Tier(tier)
+        if overwrite and self.tier is not None:
+            raise ValueError("a save into a tier commits each step to a URI of its own: overwrite=True is not "
+                             "supported with tier=")
+        where = path if path is not None else uri
+        self.uri = os.fspath(where) if where is not None else None
+        self.attempt, self.base = attempt, base
+        self.config = _with_stock_options(config, sync_files, thread_count)
+        self.single_file_per_rank, self.per_thread_copy_ahead = single_file_per_rank, per_thread_copy_ahead
+        self.overwrite = self.tier is None if overwrite is None else overwrite
+        self.transforms = _StorageWriterTransforms(_extensions)
         self.cache_staged_state_dict = cache_staged_state_dict
         self._stager: DefaultStager | None = None
         self._cache_in_use = False
         """A save staged into the cache has not written its data yet."""
-        self.tier = tier if tier is None or isinstance(tier, Tier) else Tier(tier)
         self.result: CommitResult | None = None
         """On the coordinator, once a save is committed: its totals (bytes ``sent`` and ``copied``)."""
-        self._planned: str | None = None
-        """The attempt the coordinator drew for the current save."""
+        self._planned: _RankPlan | None = None
+        """The coordinator's plan of the current save (its own rank's)."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.uri = os.fspath(checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        """The checkpoint the next save writes (``FileSystemWriter``'s property)."""
+        return self.uri
 
     @contextlib.asynccontextmanager
     async def _store(self) -> AsyncIterator[tuple[StorageURI, TransferConfig, Store]]:
@@ -153,41 +207,55 @@ class Writer(_Location, StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        attempt = self._planned = self.attempt or attempt_from_env() or new_attempt_id()
+        attempt = self.attempt or attempt_from_env() or new_attempt_id()
+        committed = self.tier is None and _run(self._committed())
+        if committed and not self.overwrite:
+            raise CheckpointError(f"checkpoint {self.uri} already exists and overwrite=False (as FileSystemWriter "
+                                  "refuses it); overwrite=True replaces it atomically")
         bases = _run(self._bases(len(plans))) if self.base is not None and self.tier is None else [None] * len(plans)
-        return [dataclasses.replace(p, storage_data=_RankPlan(attempt, i, len(plans), bases[i]))
-                for i, p in enumerate(plans)]
+        root = generation_root(attempt) if committed else ""  # a first save lies at the top, as the stock writer's
+        ranked = [_RankPlan(attempt, i, len(plans), bases[i], root) for i in range(len(plans))]
+        self._planned = ranked[0]
+        return [dataclasses.replace(p, storage_data=r) for p, r in zip(plans, ranked, strict=True)]
+
+    async def _committed(self) -> bool:
+        """Whether a checkpoint is committed at the path."""
+        async with self._store() as (target, _, store):
+            return await store.exists(marker_key(target.key))
 
     async def _bases(self, world_size: int) -> list[bytes | None]:
-        """Each rank's share of the base checkpoint (its own file's entry), read once here."""
+        """Each rank's share of the base checkpoint (its own files' entries), read once here."""
         assert self.base is not None
         async with self._store() as (target, _, store):
-            found = await resolve_base(store, target, self.base)
+            found = await resolve_base(store, target, self.base, overwrite=self.overwrite)
         if found is None:
             return [None] * world_size
-        return [BaseCheckpoint(found.uri, found.key, {n: e for n, e in found.files.items()
-                                                      if n in (rank_file(r), rank_file(r, "large"))}).encode()
+        return [BaseCheckpoint(found.uri, found.key, {n: e for n, e in found.files.items() if _rank_of(n) == r},
+                               found.root).encode()
                 for r in range(world_size)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         where: _RankPlan = plan.storage_data
-        items: list[tuple[memoryview, torch.dtype | None, tuple[int, ...] | None]] = []
+        encoded: list[Encoded] = []
         for item in plan.items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                items.append((memoryview(data.getbuffer()).cast("B"), None, None))
+                encoded.append(encode(item, data, self.transforms))
             else:
-                tensor = data.detach().to("cpu").contiguous()
-                items.append((byte_view(tensor), tensor.dtype, tuple(tensor.shape)))
-        stored: list[StoredItem | None] = [None] * len(items)
+                tensor = exact(data)
+                encoded.append(encode(item, tensor, self.transforms, byte_view(tensor)))
+        stored: list[StoredItem | None] = [None] * len(encoded)
         files = []
-        for name, indexes in rank_files(where.rank, [len(v) for v, _, _ in items], self.base is not None):
+        layout = rank_files(where.rank, [e.size for e in encoded], self.base is not None, self.single_file_per_rank)
+        for name, indexes in layout:
             offset = 0
             for i in indexes:
-                view, dtype, shape = items[i]
-                stored[i] = StoredItem(name, offset, len(view), dtype, shape)
-                offset += len(view)
-            files.append((name, Layout([items[i][0] for i in indexes])))
+                e = encoded[i]
+                raw = None if e.raw is None else (offset + e.raw[0], e.raw[1])
+                stored[i] = StoredItem(name, offset, e.size, descriptors=None if e.descriptors is None
+                                       else tuple(e.descriptors), encoded=True, raw=raw)
+                offset += e.size
+            files.append((name, Layout([p for i in indexes for p in encoded[i].pieces])))
         try:
             manifest = _run(self._write(where, files))
         finally:
@@ -206,7 +274,7 @@ class Writer(_Location, StorageWriter, AsyncStager):
                 await off_loop(self.tier.check_room, [layout.size for _, layout in files])
             writer = CheckpointWriter(target, rank=where.rank, world_size=where.world_size, attempt=where.attempt,
                                       config=cfg, barrier=HandedBarrier({}), store=store, base=base,
-                                      per_node=self.tier is not None)
+                                      per_node=self.tier is not None, overwrite=bool(where.root))
             await writer.__aenter__()
             try:
                 for name, layout in files:
@@ -231,33 +299,50 @@ class Writer(_Location, StorageWriter, AsyncStager):
             await off_loop(ensure_agent, self.tier)
 
     def finish(self, metadata: dcp_meta.Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: DCP's ``.metadata`` (``_StorageInfo`` for every item, as ``FileSystemWriter`` writes it) and
+        fastckpt's index, then the commit."""
+        plan = self._planned
+        if plan is None:
+            raise CheckpointError(f"DCP save to {self.uri}: finish() without this writer's global plan")
         manifests: dict[int, RankManifest] = {}
-        storage: dict[dcp_meta.MetadataIndex, StoredItem] = {}
+        storage: dict[dcp_meta.MetadataIndex, _StorageInfo] = {}
+        index: dict[str, list[tuple[int, int, int]]] = {}
         for rank, rank_results in enumerate(results):
             for r in rank_results:
                 item: StoredItem = r.storage_data
                 if item.manifest is not None:
                     manifests[rank] = RankManifest.decode(item.manifest, f"manifest of rank {rank}")
-                storage[r.index] = dataclasses.replace(item, manifest=None)
+                path = f"{plan.root}/{item.name}" if plan.root else item.name
+                storage[r.index] = _StorageInfo(path, item.offset, item.length,
+                                                list(item.descriptors) if item.descriptors else None)
+                if item.raw is not None:
+                    index.setdefault(path, []).append((item.offset, *item.raw))
+        metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = storage
-        buf = io.BytesIO()
-        torch.save(metadata, buf)
-        _run(self._commit(buf.getvalue(), manifests, len(results)))
+        metadata.storage_meta = self.storage_meta()
+        _run(self._commit(pickle.dumps(metadata), encode_index(index), manifests, len(results), plan))
 
-    async def _commit(self, metadata: bytes, manifests: dict[int, RankManifest], world_size: int) -> None:
-        """Coordinator: write ``.metadata``, then commit every rank's manifest (ranks without items wrote none)."""
-        attempt = self._planned
-        if attempt is None or any(m.attempt != attempt for m in manifests.values()):
+    async def _commit(self, metadata: bytes, index: bytes, manifests: dict[int, RankManifest], world_size: int,
+                      plan: _RankPlan) -> None:
+        """Coordinator: write ``.metadata`` and the index, then commit every rank's manifest (ranks without items
+        wrote none); with a folder of its own (``overwrite``), ``.metadata`` is published at the top as well."""
+        attempt = plan.attempt
+        if any(m.attempt != attempt for m in manifests.values()):
             raise CheckpointError(f"DCP save to {self.uri}: the ranks' manifests are not of attempt {attempt!r}")
         own = manifests.pop(0, None)
-        handed = {r: manifests.get(r, RankManifest(attempt, r, world_size)).encode() for r in range(1, world_size)}
+        handed = {r: manifests.get(r, RankManifest(attempt, r, world_size, root=plan.root)).encode()
+                  for r in range(1, world_size)}
         async with self._store() as (target, cfg, store):
             writer = CheckpointWriter(target, rank=0, world_size=world_size, attempt=attempt, config=cfg,
-                                      barrier=HandedBarrier(handed), store=store, per_node=self.tier is not None)
+                                      barrier=HandedBarrier(handed), store=store, per_node=self.tier is not None,
+                                      overwrite=bool(plan.root))
             async with writer:
                 if own is not None:
                     writer.record_written(own.files, own.copied)
                 await writer.put_layout(METADATA, Layout([metadata]))
+                await writer.put_layout(INDEX, Layout([index]))
+                if plan.root:
+                    writer.publish(METADATA, metadata)
         self.result = writer.result
         await self._queue(attempt, 0)
 
@@ -270,3 +355,23 @@ class Writer(_Location, StorageWriter, AsyncStager):
 
     def storage_meta(self) -> dcp_meta.StorageMeta | None:
         return dcp_meta.StorageMeta(checkpoint_id=self.uri)
+
+
+def _with_stock_options(config: TransferConfig | None, sync_files: bool, thread_count: int | None
+                        ) -> TransferConfig | None:
+    """``config`` with ``FileSystemWriter``'s ``sync_files=False`` and ``thread_count`` applied."""
+    changes: dict[str, Any] = {}
+    if not sync_files:
+        changes["fsync"] = False
+    if thread_count is not None:
+        changes["max_in_flight"] = thread_count
+    if not changes:
+        return config
+    return dataclasses.replace(config or TransferConfig.from_env(), **changes)
+
+
+def _rank_of(name: str) -> int | None:
+    """The rank whose file ``name`` is (``rank-NNNNN...``), else None."""
+    head = name.split(".", 1)[0]
+    return int(head[5:10]) if head.startswith("rank-") and head[5:10].isdigit() else None
+

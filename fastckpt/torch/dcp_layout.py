@@ -13,12 +13,15 @@ from .format import SMALL
 from .staging import byte_view
 
 
-def rank_files(rank: int, sizes: list[int], split: bool) -> list[tuple[str, list[int]]]:
+def rank_files(rank: int, sizes: list[int], split: bool, single: bool = True) -> list[tuple[str, list[int]]]:
     """The files rank ``rank`` writes, each with the indexes of the items it holds (in plan order, which is the same
-    save after save for the same state): one file; with ``split`` (incremental saves), the items of at least ``SMALL``
+    save after save for the same state): one per item unless ``single``; else one file; with ``split`` (incremental
+    saves), the items of at least ``SMALL``
     bytes (the weights of a fine-tune, frozen or not) in ``rank-NNNNN-large.distcp`` and the others (adapters,
     optimizer state of small tensors, byte items) in ``rank-NNNNN.distcp``, so that an unchanged large file is copied
     whole by the store, in one request (an S3 ``CopyObject`` moves no bytes on gateways that only relink them)."""
+    if not single:
+        return [(rank_file(rank, str(i)), [i]) for i in range(len(sizes))]
     if not split:
         return [(rank_file(rank), list(range(len(sizes))))]
     large = [i for i, n in enumerate(sizes) if n >= SMALL]

@@ -9,6 +9,7 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 import torch
 from torch.futures import Future
@@ -25,7 +26,13 @@ METADATA = ".metadata"
 @dataclass(frozen=True)
 class StoredItem:
     """Where one DCP item lies: ``name`` (file in the checkpoint), byte ``offset`` and ``length``; for tensors
-    their dtype and shape."""
+    their dtype and shape.
+
+    Its bytes are raw (a tensor's, or a byte item's) unless ``encoded``: then they are what DCP's ``FileSystemWriter``
+    stores (``torch.save`` of a tensor), passed through the extensions ``descriptors`` name (``dcp_format``). Between
+    a rank's ``write_data`` and the coordinator's ``finish`` it describes a stored item: ``offset``/``length`` its
+    stored bytes, ``raw`` where a tensor's raw bytes lie among them, ``manifest`` the rank's manifest (on its first
+    item). (Checkpoints of fastckpt before DCP's open format pickled it into ``.metadata``.)"""
 
     name: str
     offset: int
@@ -33,8 +40,9 @@ class StoredItem:
     dtype: torch.dtype | None = None
     shape: tuple[int, ...] | None = None
     manifest: bytes | None = None
-    """The writing rank's manifest, carried to the coordinator on the rank's first item (dropped before
-    ``.metadata`` is written)."""
+    descriptors: tuple[str, ...] | None = None
+    encoded: bool = False
+    raw: tuple[int, int] | None = None
 
 
 StoredItem.__module__ = "fastckpt.torch.dcp"  # the name DCP's ``.metadata`` pickles it under (re-exported there)
@@ -50,17 +58,42 @@ def _done(value: Any) -> Future:
     return fut
 
 
+_FSSPEC_OPTIONS = {"endpoint_url": "endpoint_override", "anon": "anonymous", "profile": "profile",
+                   "project": "project", "account_name": "account"}
+"""fsspec storage options (s3fs, gcsfs, adlfs: what ``FsspecWriter(path, **storage_options)`` takes) and the URI
+option each is."""
+
+
+def storage_query(options: dict[str, Any]) -> dict[str, str]:
+    """URI options for fsspec ``storage_options``; ValueError naming those fastckpt does not take."""
+    flat = {**options}
+    client = flat.pop("client_kwargs", None) or {}
+    for key, name in (("endpoint_url", "endpoint_url"), ("region_name", "region")):
+        if key in client:
+            flat[name] = client.pop(key)
+    unknown = sorted(k for k in flat if k not in _FSSPEC_OPTIONS and k != "region") + sorted(client)
+    if unknown:
+        raise ValueError(f"storage options {unknown} are not taken by fastckpt: credentials come from the environment "
+                         "(AWS_*, GOOGLE_*, AZURE_STORAGE_*) or the URI's options, as for every fastckpt URI")
+    query = {_FSSPEC_OPTIONS.get(k, k): v for k, v in flat.items()}
+    return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in query.items()}
+
+
 class _Location:
-    """The checkpoint a DCP writer or reader works on: its URI, its config, and fastckpt's kept store for it."""
+    """The checkpoint a DCP writer or reader works on: its URI (with the fsspec storage options given, as URI
+    options), its config, and fastckpt's kept store for it."""
 
     uri: str | None
     config: TransferConfig | None
+    storage_options: dict[str, str]
 
     def _target(self) -> StorageURI:
         if self.uri is None:
             raise ValueError(f"fastckpt.torch.dcp.{type(self).__name__} needs a checkpoint URI "
-                             "(uri= or checkpoint_id=)")
-        return parse_uri(self.uri)
+                             "(path, uri= or checkpoint_id=)")
+        if not self.storage_options:
+            return parse_uri(self.uri)
+        return parse_uri(self.uri + ("&" if "?" in self.uri else "?") + urlencode(self.storage_options))
 
     def _where(self) -> tuple[StorageURI, TransferConfig]:
         """The checkpoint's URI and the config (the given one, else the environment's)."""

@@ -1,12 +1,12 @@
-"""The ``torch.distributed.checkpoint`` storage reader (``fastckpt.torch.dcp.Reader``): committed checkpoints only,
-any rank reading any part of any file (DCP reshards on load), every chunk read checked against its recorded digest.
-``.metadata`` is read with ``torch.load(weights_only=True)``, allowing DCP's metadata classes and nothing else."""
+"""The ``torch.distributed.checkpoint`` storage reader (``fastckpt.torch.dcp.Reader``): committed checkpoints (and,
+when allowed, ones the stock ``FileSystemWriter`` wrote), any rank reading any part of any file (DCP reshards on
+load), every chunk read checked against its recorded digest. ``.metadata`` is unpickled allowing DCP's metadata
+classes and nothing else (``dcp_format.load_metadata``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import os
 import queue
@@ -16,23 +16,31 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_meta
+from torch.distributed.checkpoint._extension import ExtensionRegistry
+from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .._loop import BackgroundLoop
+from ..checkpoint.catalog import UNCOMMITTED, CheckpointInfo, checkpoint_name
 from ..checkpoint.group import GroupCall
+from ..checkpoint.manifest import marker_key
 from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..config import TransferConfig
 from ..engine.layout import Layout, read_layout
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError
+from ..integrity import FileDigest
+from ..stores.base import Store
 from ..tasks import gather_all
 from ..threads import off_loop
 from ..tier import Tier, held_files, tier_checkpoint
 from ..tier.layout import TierStore
+from ..uri import StorageURI
+from .dcp_format import INDEX, decode_bytes, decode_index, decode_tensor, load_metadata, stored_items
 from .dcp_layout import Span
-from .dcp_location import METADATA, StoredItem, _done, _Location, _run
+from .dcp_location import METADATA, StoredItem, _done, _Location, _run, storage_query
 from .group_dcp import GroupRead
 
 GROUP_BYTES = 128 << 20
@@ -44,11 +52,20 @@ log = logging.getLogger("fastckpt")
 
 
 class Reader(_Location, StorageReader):
-    """``StorageReader`` for ``dcp.load`` from the committed fastckpt checkpoint ``uri`` (any backend)."""
+    """``StorageReader`` for ``dcp.load`` from the committed fastckpt checkpoint ``path`` (any backend): takes
+    ``FileSystemReader``'s arguments (``_extension_registry``: the extensions a checkpoint's items were written
+    through, DCP's defaults when None)."""
 
-    def __init__(self, uri: str | os.PathLike[str] | None = None, *, config: TransferConfig | None = None,
-                 group: Any = None, tier: str | os.PathLike[str] | Tier | None = None) -> None:
-        """``group``: a ``torch.distributed`` process group whose ranks all load (usually DCP's own, e.g.
+    def __init__(self, path: str | os.PathLike[str] | None = None,
+                 _extension_registry: ExtensionRegistry | None = None, *, uri: str | os.PathLike[str] | None = None,
+                 config: TransferConfig | None = None, group: Any = None,
+                 tier: str | os.PathLike[str] | Tier | None = None, allow_uncommitted: bool = False,
+                 **storage_options: Any) -> None:
+        """``allow_uncommitted``: also read a checkpoint without fastckpt's commit marker (one the stock
+        ``FileSystemWriter`` wrote): its items are checked against their files' sizes only, not against digests.
+        ``uri=`` is the same as ``path``.
+
+        ``group``: a ``torch.distributed`` process group whose ranks all load (usually DCP's own, e.g.
         ``dist.group.WORLD``); the checkpoint's metadata is then read once for the group, and each byte that
         several of its ranks need is read from storage once and sent to the others over the group. ``tier`` (this
         node's tier directory, not with ``group``): read each file from the tier's copy where it holds it (a DCP
@@ -57,8 +74,14 @@ class Reader(_Location, StorageReader):
         super().__init__()
         if tier is not None and group is not None:
             raise ValueError("Reader takes tier= or group=, not both (each node's tier holds its own ranks' files)")
-        self.uri = os.fspath(uri) if uri is not None else None
-        self.config, self.group = config, group
+        if path is not None and uri is not None:
+            raise ValueError("give the checkpoint as path or as uri=, not both")
+        self.storage_options = storage_query(storage_options)
+        where = path if path is not None else uri
+        self.uri = os.fspath(where) if where is not None else None
+        self.config, self.group, self.allow_uncommitted = config, group, allow_uncommitted
+        self.transforms = _StorageReaderTransforms(_extension_registry)
+        self._index: dict[tuple[str, int], tuple[int, int]] = {}
         self.tier = tier if tier is None or isinstance(tier, Tier) else Tier(tier)
         self._ckpt: Checkpoint | None = None
         self._storage: dict[dcp_meta.MetadataIndex, StoredItem] = {}
@@ -72,56 +95,86 @@ class Reader(_Location, StorageReader):
             self.uri = os.fspath(checkpoint_id)
         self._ckpt, self._local, self.bytes_read = None, set(), {"tier": 0, "uri": 0}
 
+    @property
+    def checkpoint_id(self) -> str | None:
+        """The checkpoint the next load reads (``FileSystemReader``'s property)."""
+        return self.uri
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_meta.Metadata:
         if self.group is None:
-            self._ckpt, raw = _run(self._metadata())
+            self._ckpt, raw, index = _run(self._metadata())
         elif "rank" in kwargs:  # DCP asks for rank-local metadata after the shared read failed on every rank
             raise CheckpointError(f"{self.uri}: a fastckpt checkpoint has no rank-local DCP metadata")
         else:
-            self._ckpt, raw = _run(self._shared_metadata())
-        with torch.serialization.safe_globals(_SAFE):
-            metadata = torch.load(io.BytesIO(raw), weights_only=True)
-        if not isinstance(metadata, dcp_meta.Metadata):
-            raise CheckpointError(f"{self.uri}/{METADATA} does not hold DCP metadata")
-        return metadata
+            self._ckpt, raw, index = _run(self._shared_metadata())
+        self._index = decode_index(index, f"{self.uri}/{INDEX}") if index is not None else {}
+        return load_metadata(raw, f"{self.uri}/{METADATA}")
 
-    async def _metadata(self) -> tuple[Checkpoint, bytes]:
+    async def _metadata(self) -> tuple[Checkpoint, bytes, bytes | None]:
         """The checkpoint (its manifests checked against the marker: this node's tier's when committed there, else the
-        URI's) and DCP's metadata bytes, verified; which of its files this node's tier holds (``_sources``)."""
+        URI's; when allowed and there is no marker, the files as listed), DCP's metadata bytes and fastckpt's index
+        (None when it has none), read verified; which of its files this node's tier holds (``_sources``)."""
         target, cfg = self._where()
         ckpt = None if self.tier is None else await tier_checkpoint(target, self.tier, None, cfg)
         if ckpt is None:
             async with self._store() as (_, _, store):
-                ckpt = await open_checkpoint_async(target, config=cfg, store=store)
+                ckpt = await self._open(store, target, cfg)
         self._ckpt = ckpt
         if self.tier is not None:
             self._local = await off_loop(held_files, ckpt.files, self.tier.copy_of(target))
         if METADATA not in ckpt.files:
             raise CheckpointError(f"{self.uri} is a fastckpt checkpoint, but not one written by dcp.save")
-        span = Span(METADATA, 0, self._digest(METADATA).size, [])
+        found = [await self._whole(name) if name in ckpt.files else None for name in (METADATA, INDEX)]
+        assert found[0] is not None
+        return ckpt, found[0], found[1]
+
+    async def _open(self, store: Store, target: StorageURI, cfg: TransferConfig) -> Checkpoint:
+        """The committed checkpoint at ``target``; without a marker, when allowed, its files as listed."""
+        if await store.exists(marker_key(target.key)) or not self.allow_uncommitted:
+            try:
+                return await open_checkpoint_async(target, config=cfg, store=store)
+            except CheckpointError as exc:
+                if "not committed" in str(exc):
+                    raise CheckpointError(f"checkpoint {target.raw} is not committed (no .fastckpt/COMMITTED): one "
+                                          "the stock FileSystemWriter wrote reads with Reader(allow_uncommitted=True), "
+                                          "checked against its files' sizes only") from None
+                raise
+        if self.group is not None:
+            raise CheckpointError(f"{self.uri} has no commit marker: Reader(group=) reads committed checkpoints "
+                                  "only (their chunk digests are what the group checks)")
+        sizes = {m.key[len(target.key):].lstrip("/"): m.size async for m in store.list(target.key)}
+        files: dict[str, FileDigest | None] = {n: FileDigest(size, cfg.part_size, "") for n, size in sizes.items()}
+        info = CheckpointInfo(checkpoint_name(target.key), target.uri(), UNCOMMITTED, None, None, len(files), 0, None)
+        return Checkpoint(info, target.key, files)
+
+    async def _whole(self, name: str) -> bytes:
+        """File ``name`` of the checkpoint, whole (verified when it has chunk digests)."""
+        span = Span(name, 0, self._digest(name).size, [])
         layout = span.layout()
         async with self._sources() as read_span:
             await read_span(span, layout)
-        return ckpt, bytes(layout.pieces(0, span.end)[0])
+        return bytes(layout.pieces(0, span.end)[0]) if span.end else b""
 
-    async def _shared_metadata(self) -> tuple[Checkpoint, bytes]:
+    async def _shared_metadata(self) -> tuple[Checkpoint, bytes, bytes | None]:
         """``_metadata`` read by group rank 0 and handed to the others; its failure raised on every rank."""
         call = await GroupCall.of(self.group, f"DCP load of {self.uri} by its process group")
         shared: dict[str, Any] = {}
         if call.rank == 0:
             try:
-                ckpt, raw = await self._metadata()
-                shared = {"checkpoint": ckpt, "metadata": raw}
+                ckpt, raw, index = await self._metadata()
+                shared = {"checkpoint": ckpt, "metadata": raw, "index": index}
             except Exception as exc:
                 shared = {"error": f"{type(exc).__name__}: {exc}"}
         async with self._store() as (_, _, store):
             shared = await call.share_plan(shared, store)
         call.raise_first([shared.get("error")])
-        return shared["checkpoint"], shared["metadata"]
+        return shared["checkpoint"], shared["metadata"], shared["index"]
 
     def set_up_storage_reader(self, metadata: dcp_meta.Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
-        self._storage = metadata.storage_data
+        assert self._ckpt is not None
+        self._storage = stored_items(metadata, self._index, self._ckpt.root, self._ckpt.files,
+                                     str(self.uri))
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -176,12 +229,15 @@ class Reader(_Location, StorageReader):
     def _deliver(self, req: Any, data: memoryview, planner: LoadPlanner) -> None:
         item = self._storage[req.storage_index]
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(data))
+            planner.load_bytes(req, decode_bytes(data, item.descriptors, self.transforms, req))
             return
-        if item.dtype is None or item.shape is None:
+        if item.encoded:
+            tensor = decode_tensor(data, item.descriptors, self.transforms, req, str(self.uri))
+        elif item.dtype is None or item.shape is None:
             raise CheckpointError(f"{self.uri}: item {req.storage_index} is not a stored tensor")
-        tensor = torch.frombuffer(data, dtype=item.dtype).reshape(item.shape) if len(data) else \
-            torch.empty(item.shape, dtype=item.dtype)
+        else:
+            tensor = torch.frombuffer(data, dtype=item.dtype).reshape(item.shape) if len(data) else \
+                torch.empty(item.shape, dtype=item.dtype)
         for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
             tensor = tensor.narrow(dim, start, length)
         target = planner.resolve_tensor(req).detach()
@@ -218,7 +274,7 @@ class Reader(_Location, StorageReader):
     def _direct_target(self, req: Any, length: int, planner: LoadPlanner) -> torch.Tensor | None:
         """The destination of ``req`` when it takes a whole stored tensor into contiguous CPU memory."""
         item = self._storage[req.storage_index]
-        if req.type == LoadItemType.BYTE_IO or item.shape is None or not length:
+        if req.type == LoadItemType.BYTE_IO or item.encoded or item.shape is None or not length:
             return None
         if any(req.storage_offsets) or tuple(req.lengths) != tuple(item.shape):
             return None
@@ -284,7 +340,8 @@ class Reader(_Location, StorageReader):
                         self._local.discard(span.name)
                         log.info("%s: reading %s from the URI, not from tier %s: %s", self.uri, span.name,
                                  copy.raw, exc)
-                await self._read_span(await durable(), target.join(span.name), span, layout)
+                assert self._ckpt is not None  # (a tier's checkpoint names its copy: the key is the URI's here)
+                await self._read_span(await durable(), target.join(self._ckpt.root, span.name), span, layout)
                 self.bytes_read["uri"] += span.end - span.start
 
             yield read_span
@@ -293,15 +350,13 @@ class Reader(_Location, StorageReader):
         """``span`` of the file at ``key`` in ``transfer``'s store into ``layout``, each chunk checked."""
         assert self._ckpt is not None
         digest, chunks = self._digest(span.name), self._ckpt.chunks.get(span.name)
-        if chunks is None:
+        committed = self._ckpt.info.state != UNCOMMITTED
+        if chunks is None and committed:
             raise CheckpointError(f"{self.uri}: {span.name} has no chunk digests recorded; not written by this plugin")
         got = await read_layout(transfer, key, span.start, layout, digest.chunk_size)
+        if chunks is None:  # a checkpoint the stock writer wrote (allow_uncommitted): sizes checked only
+            return
         for i, d in enumerate(got, span.start // digest.chunk_size):
             if d.hex() != chunks[i]:
                 raise IntegrityError(f"{self.uri}/{span.name}: chunk {i} does not match its recorded digest")
 
-
-_SAFE = [dcp_meta.Metadata, dcp_meta.TensorStorageMetadata, dcp_meta.BytesStorageMetadata,
-         dcp_meta.ChunkStorageMetadata, dcp_meta.TensorProperties, dcp_meta.MetadataIndex, dcp_meta.StorageMeta,
-         dcp_meta._MEM_FORMAT_ENCODING,
-         StoredItem]

@@ -52,12 +52,14 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
         try:
             ckpt = await open_checkpoint_async(base, config=cfg, store=store)
             plan = {"saved": ckpt.info.world_size or 1, "chunks": {n: list(c) for n, c in ckpt.chunks.items()},
-                    "files": {n: (d.size, d.chunk_size, d.digest) for n, d in ckpt.files.items() if d is not None}}
+                    "files": {n: (d.size, d.chunk_size, d.digest) for n, d in ckpt.files.items() if d is not None},
+                    "root": ckpt.root}
         except Exception as exc:
             plan = {"error": f"{type(exc).__name__}: {exc}"}
     plan = await call.share_plan(plan, store)
     call.raise_first([plan.get("error")])  # rank 0's, known to every rank now
     files = {n: FileDigest(*v) for n, v in plan["files"].items()}
+    base = base.with_key(base.join(plan["root"]))  # the folder of the files (messages keep the URI as given)
     names: list[str] = []
     error = None
     try:

@@ -100,7 +100,7 @@ class SaveHandle:
 def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int | None = None,
          barrier: Barrier | None = None, attempt: str | None = None, config: TransferConfig | None = None,
          store: Store | None = None, base: str | None = None, tier: str | os.PathLike[str] | Tier | None = None,
-         replicas: int = 0) -> CommitResult:
+         replicas: int = 0, overwrite: bool = False) -> CommitResult:
     """Save ``state_dict`` (this rank's share) to checkpoint ``uri`` and commit it with the other ranks.
 
     CPU tensors are uploaded straight from their memory (no copy, no local file); the call returns once
@@ -111,17 +111,18 @@ def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int 
     part of one that holds the same bytes as the base's is copied by the store, not sent (``CheckpointWriter``); the
     result's ``copied`` and ``sent`` say how much. ``tier`` (a directory on this node, or a ``Tier``): commit into
     the tier and return; its node agent drains it to ``uri`` (see ``async_save``, also for ``replicas``).
+    ``overwrite``: a checkpoint committed at ``uri`` is replaced atomically (``CheckpointWriter``), else refused.
     """
     rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
     skeleton, tensors = flatten(state_dict)
     if tier is not None or any(t.device.type != "cpu" for t in tensors.values()):
         handle = async_save(state_dict, uri, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
                             config=config, store=store, staging=None if tier else Staging(), base=base,
-                            tier=tier, replicas=replicas)
+                            tier=tier, replicas=replicas, overwrite=overwrite)
         return handle._future.result()  # committed (in the tier): not just handed to the agent
     files = [(name, Layout([header.raw] + [byte_view(tensors[n].detach().contiguous()) for n in header.tensors]))
              for name, header in rank_files(rank, skeleton, tensors, base is not None)]
-    place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, None)
+    place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, None, overwrite)
     return BackgroundLoop.get().run(_commit(files, place))
 
 
@@ -129,7 +130,8 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
                barrier: Barrier | None = None, attempt: str | None = None, config: TransferConfig | None = None,
                store: Store | None = None, staging: Staging | None = None,
                if_busy: Literal["wait", "error"] = "wait", base: str | None = None,
-               tier: str | os.PathLike[str] | Tier | None = None, replicas: int = 0) -> SaveHandle:
+               tier: str | os.PathLike[str] | Tier | None = None, replicas: int = 0,
+               overwrite: bool = False) -> SaveHandle:
     """Copy ``state_dict``'s tensors into host staging memory, then upload and commit in the background.
 
     The caller is blocked only for the copies (device tensors: ``non_blocking`` into pinned memory, one
@@ -146,10 +148,13 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
     tensors are copied straight into the tier's files, whose pages are recycled save after save (the first save into
     a tier goes through ``staging`` and readies those files); device tensors go through ``staging``. ``config`` does
     not reach the agent: it opens ``uri`` from the environment it was started in. ``replicas=1``: each rank's copy
-    also goes to the tier of the rank one node over (``tier_peers``), before ``wait()`` returns.
+    also goes to the tier of the rank one node over (``tier_peers``), before ``wait()`` returns. ``overwrite``: as
+    for ``save`` (not with ``tier``: a tier save commits each step to a URI of its own).
     """
     rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
-    place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, as_tier(tier, store))
+    if overwrite and tier is not None:
+        raise ValueError("overwrite=True goes without tier= (a tier save commits each step to a URI of its own)")
+    place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, as_tier(tier, store), overwrite)
     after = _replicas(place, replicas)
     started = time.perf_counter()
     skeleton, tensors = flatten(state_dict)
@@ -227,6 +232,7 @@ class _Place:
     store: Store | None
     base: str | None
     tier: Tier | None
+    overwrite: bool = False
 
 
 async def _commit(files: list[tuple[str, Layout]], p: _Place, spares: list[tuple[str, int]] | None = None,
@@ -248,7 +254,7 @@ async def _commit(files: list[tuple[str, Layout]], p: _Place, spares: list[tuple
         if store is None:
             store = await stack.enter_async_context(store_for(target, cfg))
         writer = CheckpointWriter(target, rank=p.rank, world_size=p.world_size, barrier=p.barrier, attempt=p.attempt,
-                                  config=cfg, store=store, base=p.base)
+                                  config=cfg, store=store, base=p.base, overwrite=p.overwrite)
         async with writer:
             for name, layout in files:
                 await writer.put_layout(name, layout)
