@@ -9,6 +9,8 @@ import posixpath
 from ._loop import BackgroundLoop
 from .checkpoint.base import base_objects
 from .checkpoint.catalog import latest_async as catalog_latest
+from .checkpoint.manifest import MARKER, META_DIR
+from .checkpoint.reader import download_checkpoint_async
 from .config import TransferConfig
 from .engine.open_stores import store_for
 from .engine.paths import local_files, paths_below
@@ -64,12 +66,15 @@ async def upload_async(
 
 async def download_async(
     src: str | StorageURI, dst: PathLike, *, config: TransferConfig | None = None,
-    progress: ProgressCallback | None = None,
+    progress: ProgressCallback | None = None, raw: bool = False,
 ) -> list[FileResult]:
     """Download an object or every object below a prefix to the local path ``dst``.
 
     An object lands at ``dst`` (or inside it when ``dst`` is a directory or ends with '/'); a prefix's
-    objects land below ``dst`` with their relative keys.
+    objects land below ``dst`` with their relative keys. A committed checkpoint at or below the prefix comes down as
+    ``download_checkpoint`` brings it: its committed files only, each verified against its manifest (not fastckpt's
+    ``.fastckpt/`` records, nor files of attempts that never committed or were replaced); ``raw=True`` copies every
+    object as it is.
     """
     dst = os.fspath(dst)
     source = _target(src)
@@ -96,10 +101,28 @@ async def download_async(
                 await _cancelled(listing)
                 raise NotADirectoryError(f"destination {dst} is a file, but {source.raw} is a directory")
             found = await listing
-            pairs = list(zip([k for k, _, _ in found], paths_below(dst, [rel for _, rel, _ in found]), strict=True))
-            return await transfer.download_files(pairs, sizes={k: size for k, _, size in found})
+            roots = [] if raw else checkpoints_in([rel for _, rel, _ in found])
+            plain = [f for f in found if not any(_below(f[1], r) for r in roots)]
+            pairs = list(zip([k for k, _, _ in plain], paths_below(dst, [rel for _, rel, _ in plain]), strict=True))
+            results = await transfer.download_files(pairs, sizes={k: size for k, _, size in plain}) if pairs else []
+            for rel in roots:
+                results += await download_checkpoint_async(source.with_key(source.join(rel)),
+                                                           os.path.join(dst, rel), config=config, progress=progress)
+            return results
         finally:
             transfer.close()
+
+
+def checkpoints_in(rels: list[str]) -> list[str]:
+    """The committed checkpoints among relative keys (a prefix's listing): those holding a commit marker, outermost
+    only ("": the prefix itself)."""
+    marker = join_key(META_DIR, MARKER)
+    found = sorted({rel[:-len(marker)].rstrip("/") for rel in rels if rel == marker or rel.endswith("/" + marker)})
+    return [r for i, r in enumerate(found) if not any(_below(r, o) for o in found[:i])]
+
+
+def _below(rel: str, root: str) -> bool:
+    return root == "" or rel == root or rel.startswith(root + "/")
 
 
 async def _cancelled(task: asyncio.Future[object]) -> None:
@@ -116,10 +139,10 @@ def upload(src: PathLike, dst: str | StorageURI, *, config: TransferConfig | Non
 
 
 def download(src: str | StorageURI, dst: PathLike, *, config: TransferConfig | None = None,
-             progress: ProgressCallback | None = None) -> list[FileResult]:
+             progress: ProgressCallback | None = None, raw: bool = False) -> list[FileResult]:
     """Sync twin of ``download_async``, run on fastckpt's background loop, which keeps the store open for the next
     call (``engine.open_stores``); an interrupt (Ctrl-C) cancels the transfer."""
-    return BackgroundLoop.get().run(download_async(src, dst, config=config, progress=progress))
+    return BackgroundLoop.get().run(download_async(src, dst, config=config, progress=progress, raw=raw))
 
 
 async def latest_async(uri: str | StorageURI, *, tier: PathLike | Tier | None = None,

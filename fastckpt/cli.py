@@ -64,7 +64,7 @@ def cmd_cp(args: argparse.Namespace) -> dict[str, object]:
     if _is_remote(args.src) and _is_remote(args.dst):
         raise ValueError("copying between two remote stores is not supported; download then upload")
     if _is_remote(args.src):
-        results = download(args.src, args.dst, config=config, progress=progress)
+        results = download(args.src, args.dst, config=config, progress=progress, raw=args.raw)
     else:
         src = args.src[len("file://"):] if args.src.startswith("file://") else args.src
         results = upload(src, args.dst, config=config, progress=progress, base=args.base)
@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--base", default=None, metavar="URI",
                     help="upload: an earlier copy in the same bucket (a checkpoint, 'latest', or a prefix); files and "
                          "parts that did not change are copied by the store, not sent")
+    cp.add_argument("--raw", action="store_true",
+                    help="download: every object as it is, a checkpoint's .fastckpt/ records and uncommitted files "
+                         "too (default: a committed checkpoint brings its committed files only, verified)")
     cp.add_argument("--durable", action="store_true",
                     help="fsync downloaded files before they take their names (default: as s5cmd and the AWS CLI, no)")
     ls = sub.add_parser("ls", parents=[common], help="list objects below a URI")

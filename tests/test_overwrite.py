@@ -104,3 +104,23 @@ async def test_gc_keeps_what_a_replacing_commit_published(store, tmp_path: Path)
     await fastckpt.gc_async(base.uri(), older_than_s=0, config=small_config())
     assert await s.get_range(target.join("index.json"), 0, 100) == b'{"at": "v"}'
     assert await read(target.uri(), tmp_path) == {"a.bin": b"two"}
+
+
+async def test_a_download_brings_a_checkpoint_as_committed(store, tmp_path: Path) -> None:
+    """``fastckpt.download`` of a prefix: a committed checkpoint in it comes down as ``download_checkpoint`` brings
+    it (its committed files, verified; no ``.fastckpt/`` records, no replaced or uncommitted files), other objects
+    as they are; ``raw=True`` copies everything."""
+    s, base = store
+    run = base.with_key(base.join("run"))
+    await save(base.with_key(run.join("step-1")).uri(), {"a.bin": b"old"}, tmp_path)
+    await save(base.with_key(run.join("step-1")).uri(), {"a.bin": b"new"}, tmp_path, overwrite=True)
+    await s.put(run.join("step-1", "stray.bin"), b"left by a dead attempt")
+    await s.put(run.join("notes.txt"), b"plain")
+    out = tmp_path / "out"
+    results = await fastckpt.download_async(run.uri(), out, config=small_config())
+    got = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert got == ["notes.txt", "step-1/a.bin"] and len(results) == 2
+    assert (out / "step-1" / "a.bin").read_bytes() == b"new"
+    raw = tmp_path / "raw"
+    await fastckpt.download_async(run.uri(), raw, config=small_config(), raw=True)
+    assert (raw / "step-1" / ".fastckpt" / "COMMITTED").exists() and (raw / "step-1" / "stray.bin").exists()

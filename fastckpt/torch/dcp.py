@@ -23,6 +23,7 @@ group and each byte that several ranks need is read from storage once (``group_d
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -236,14 +237,18 @@ class Writer(_Location, StorageWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         where: _RankPlan = plan.storage_data
-        encoded: list[Encoded] = []
-        for item in plan.items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                encoded.append(encode(item, data, self.transforms))
-            else:
-                tensor = exact(data)
-                encoded.append(encode(item, tensor, self.transforms, byte_view(tensor)))
+        resolved = [d if i.type == WriteItemType.BYTE_IO else exact(d)
+                    for i, d in ((i, planner.resolve_data(i)) for i in plan.items)]
+
+        def one(k: int) -> Encoded:
+            item, data = plan.items[k], resolved[k]
+            return encode(item, data, self.transforms, None if item.type == WriteItemType.BYTE_IO else byte_view(data))
+
+        if self.transforms.extensions and len(plan.items) > 1:  # compressors release the GIL: items side by side
+            with concurrent.futures.ThreadPoolExecutor(min(len(plan.items), os.cpu_count() or 1)) as pool:
+                encoded = list(pool.map(one, range(len(plan.items))))
+        else:
+            encoded = [one(k) for k in range(len(plan.items))]
         stored: list[StoredItem | None] = [None] * len(encoded)
         files = []
         layout = rank_files(where.rank, [e.size for e in encoded], self.base is not None, self.single_file_per_rank)

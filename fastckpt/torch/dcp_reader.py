@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import os
 import queue
@@ -224,20 +225,25 @@ class Reader(_Location, StorageReader):
             data = pieces[0] if len(pieces) == 1 else memoryview(bytearray(length))
             if len(pieces) != 1:
                 layout.gather(offset - span.start, data)
-            self._deliver(req, data, planner)
+            self._deliver(req, self._decode(req, data), planner)
 
-    def _deliver(self, req: Any, data: memoryview, planner: LoadPlanner) -> None:
+    def _decode(self, req: Any, data: memoryview) -> io.BytesIO | torch.Tensor:
+        """Item ``req``'s stored bytes as what the planner takes: a byte item's stream, or the stored tensor."""
         item = self._storage[req.storage_index]
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, decode_bytes(data, item.descriptors, self.transforms, req))
-            return
+            return decode_bytes(data, item.descriptors, self.transforms, req)
         if item.encoded:
-            tensor = decode_tensor(data, item.descriptors, self.transforms, req, str(self.uri))
-        elif item.dtype is None or item.shape is None:
+            return decode_tensor(data, item.descriptors, self.transforms, req, str(self.uri))
+        if item.dtype is None or item.shape is None:
             raise CheckpointError(f"{self.uri}: item {req.storage_index} is not a stored tensor")
-        else:
-            tensor = torch.frombuffer(data, dtype=item.dtype).reshape(item.shape) if len(data) else \
-                torch.empty(item.shape, dtype=item.dtype)
+        return torch.frombuffer(data, dtype=item.dtype).reshape(item.shape) if len(data) else \
+            torch.empty(item.shape, dtype=item.dtype)
+
+    def _deliver(self, req: Any, decoded: io.BytesIO | torch.Tensor, planner: LoadPlanner) -> None:
+        if isinstance(decoded, io.BytesIO):
+            planner.load_bytes(req, decoded)
+            return
+        tensor = decoded
         for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
             tensor = tensor.narrow(dim, start, length)
         target = planner.resolve_tensor(req).detach()
