@@ -125,21 +125,18 @@ class Reader(_Location, StorageReader):
             self._local = await off_loop(held_files, ckpt.files, self.tier.copy_of(target))
         if METADATA not in ckpt.files:
             raise CheckpointError(f"{self.uri} is a fastckpt checkpoint, but not one written by dcp.save")
-        found = [await self._whole(name) if name in ckpt.files else None for name in (METADATA, INDEX)]
-        assert found[0] is not None
-        return ckpt, found[0], found[1]
+        index = self._whole(INDEX) if INDEX in ckpt.files else asyncio.sleep(0, None)
+        metadata, found = await asyncio.gather(self._whole(METADATA), index)
+        return ckpt, metadata, found
 
     async def _open(self, store: Store, target: StorageURI, cfg: TransferConfig) -> Checkpoint:
         """The committed checkpoint at ``target``; without a marker, when allowed, its files as listed."""
-        if await store.exists(marker_key(target.key)) or not self.allow_uncommitted:
-            try:
-                return await open_checkpoint_async(target, config=cfg, store=store)
-            except CheckpointError as exc:
-                if "not committed" in str(exc):
-                    raise CheckpointError(f"checkpoint {target.raw} is not committed (no .fastckpt/COMMITTED): one "
-                                          "the stock FileSystemWriter wrote reads with Reader(allow_uncommitted=True), "
-                                          "checked against its files' sizes only") from None
-                raise
+        if await store.exists(marker_key(target.key)):
+            return await open_checkpoint_async(target, config=cfg, store=store)
+        if not self.allow_uncommitted:
+            raise CheckpointError(f"checkpoint {target.raw} is not committed (no .fastckpt/COMMITTED): one the stock "
+                                  "FileSystemWriter wrote reads with Reader(allow_uncommitted=True), checked against "
+                                  "its files' sizes only")
         if self.group is not None:
             raise CheckpointError(f"{self.uri} has no commit marker: Reader(group=) reads committed checkpoints "
                                   "only (their chunk digests are what the group checks)")
