@@ -389,3 +389,28 @@ async def test_local_store_round_trip_uses_no_pooled_buffer(tmp_path) -> None:
     transfer.close()
     assert (tmp_path / "back").read_bytes() == data and up.digest == down.digest
     assert (tmp_path / "small.back").read_bytes() == b"tiny"
+
+
+async def test_a_read_across_views_receives_large_ones_straight_and_hashes_the_whole() -> None:
+    """``read_layout`` into views of mixed sizes (large tensors with small ones between): every byte lands in its
+    view, the chunk digests are those of the object, and large views are received without a buffer (none is taken
+    from the pool for a part whose views are all large)."""
+    from fastckpt.engine.layout import DIRECT_PIECE, Layout, read_layout
+    from fastckpt.integrity import hash_chunks
+
+    sizes = [2 * DIRECT_PIECE + 3, 10, 20, 3 * DIRECT_PIECE, 5, 7, DIRECT_PIECE + 1]
+    data = os.urandom(sum(sizes))
+    store = MemoryStore("across")
+    await store.put("obj", data)
+    transfer = Transfer(store, small_config(part_size=4 * DIRECT_PIECE))
+    views = [memoryview(bytearray(n)) for n in sizes]
+    taken = []
+    buffer = transfer.pool.buffer
+    transfer.pool.buffer = lambda n: (taken.append(n), buffer(n))[1]  # type: ignore[method-assign]
+    try:
+        chunks = await read_layout(transfer, "obj", 0, Layout(views), DIRECT_PIECE)
+    finally:
+        transfer.close()
+    assert b"".join(bytes(v) for v in views) == data
+    assert chunks == hash_chunks(memoryview(data), DIRECT_PIECE)
+    assert taken == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 from collections.abc import Iterable
 
 from ..errors import AlreadyExistsError, IntegrityError
@@ -148,9 +149,15 @@ async def upload_layout(transfer: Transfer, layout: Layout, key: str, *, if_abse
     return digest, chunks
 
 
+DIRECT_PIECE = 1 << 20
+"""Views a read across several views receives straight into (smaller ones go through a buffer)."""
+
+
 async def read_layout(transfer: Transfer, key: str, start: int, layout: Layout, chunk_size: int) -> list[bytes]:
     """Read ``layout.size`` bytes of ``key`` from ``start`` (a chunk boundary) into ``layout``; returns the
-    chunk digests of what was read. A part lying inside one view is received straight into it."""
+    chunk digests of what was read. A part lying inside one view is received straight into it; a part across views
+    is received straight into each view of at least ``DIRECT_PIECE`` bytes (one ranged read each), the smaller ones
+    between them through a buffer (``_read_across``)."""
     if start % chunk_size:
         raise ValueError(f"read of {key} at {start}: not a multiple of the chunk size {chunk_size}")
     part = chunk_size * max(1, transfer.config.part_size // chunk_size)
@@ -163,6 +170,9 @@ async def read_layout(transfer: Transfer, key: str, start: int, layout: Layout, 
             if len(pieces) == 1:
                 await _read_exact(store, key, start + offset, pieces[0])
                 digests = await off_loop(hash_chunks, pieces[0], chunk_size)
+            elif any(len(p) >= DIRECT_PIECE for p in pieces):
+                await _read_across(store, key, start + offset, pieces)
+                digests = await off_loop(hash_pieces, pieces, chunk_size)
             else:
                 async with transfer.pool.buffer(length) as buf:
                     await _read_exact(store, key, start + offset, buf)
@@ -178,6 +188,28 @@ async def _read_exact(store: Store, key: str, offset: int, buf: memoryview) -> N
     n = await store.read_into(key, offset, buf)
     if n != len(buf):
         raise IntegrityError(f"{key}: {n} of {len(buf)} bytes at offset {offset} (object shorter than recorded)")
+
+
+async def _read_across(store: Store, key: str, offset: int, pieces: list[memoryview]) -> None:
+    """The bytes of ``key`` from ``offset`` into ``pieces`` laid end to end: each piece of at least ``DIRECT_PIECE``
+    bytes read straight into it, each run of smaller ones into one buffer and copied to them."""
+    runs: list[list[memoryview]] = []
+    for piece in pieces:
+        if len(piece) >= DIRECT_PIECE or not runs or len(runs[-1][-1]) >= DIRECT_PIECE:
+            runs.append([piece])
+        else:
+            runs[-1].append(piece)
+
+    async def one(at: int, run: list[memoryview]) -> None:
+        if len(run) == 1:
+            await _read_exact(store, key, at, run[0])
+            return
+        buf = memoryview(bytearray(sum(len(p) for p in run)))
+        await _read_exact(store, key, at, buf)
+        _scatter(buf, run)
+
+    starts = list(itertools.accumulate((sum(len(p) for p in run) for run in runs[:-1]), initial=offset))
+    await gather_all(one(at, run) for at, run in zip(starts, runs, strict=True))
 
 
 def _hash_and_scatter(buf: memoryview, pieces: list[memoryview], chunk_size: int) -> list[bytes]:

@@ -26,6 +26,7 @@ from ..engine.transfer import Transfer
 from ..errors import CheckpointError, ObjectNotFoundError
 from ..integrity import FileDigest
 from ..stores.base import Store
+from ..tasks import gather_all
 from ..uri import StorageURI, parse_uri
 from .load import load_file
 
@@ -50,18 +51,19 @@ async def load_safetensors_async(uri: str | StorageURI, *, device: str | torch.d
     cfg = config or TransferConfig.from_env()
     async with store_for(target, cfg) as store:
         files = await model_files(store, target, cfg)
-        loaded: dict[str, torch.Tensor] = {}
+        found: list[dict[str, torch.Tensor]] = [{} for _ in files]
         transfer = Transfer(store, cfg)
-        try:
-            for key, digest in files:
-                found: dict[str, torch.Tensor] = {}
-                await load_file(transfer, key, digest, target.with_key(key).uri(), {}, device, None, found)
-                twice = sorted(set(found) & set(loaded))
-                if twice:
-                    raise CheckpointError(f"{target.raw}: tensor(s) {twice[:5]} stored in more than one shard")
-                loaded.update(found)
+        try:  # the shards side by side: each one's header, then its tensors' parts, share the transfer's limits
+            await gather_all(load_file(transfer, key, digest, target.with_key(key).uri(), {}, device, None, into)
+                             for (key, digest), into in zip(files, found, strict=True))
         finally:
             transfer.close()
+    loaded: dict[str, torch.Tensor] = {}
+    for shard in found:
+        twice = sorted(set(shard) & set(loaded))
+        if twice:
+            raise CheckpointError(f"{target.raw}: tensor(s) {twice[:5]} stored in more than one shard")
+        loaded.update(shard)
     if dtype is not None:
         loaded = {n: t.to(dtype) if t.is_floating_point() else t for n, t in loaded.items()}
     return loaded
