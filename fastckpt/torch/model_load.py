@@ -76,7 +76,7 @@ async def model_files(store: Store, target: StorageURI, cfg: TransferConfig) -> 
     if target.key.endswith(SUFFIX):
         base, names = posixpath.dirname(target.key), [posixpath.basename(target.key)]
     else:
-        base, names = target.key, await _shard_names(store, target)
+        base, names = target.key, await _shard_names(store, target, ckpt)
     out = []
     for name in names:
         if ckpt is not None and ckpt.files.get(name) is not None:
@@ -89,15 +89,19 @@ async def model_files(store: Store, target: StorageURI, cfg: TransferConfig) -> 
     return out
 
 
-async def _shard_names(store: Store, target: StorageURI) -> list[str]:
-    """The shard names of the model below ``target``: its index's, else every ``*.safetensors`` directly below."""
-    index_key = target.join(INDEX)
+async def _shard_names(store: Store, target: StorageURI, ckpt: Checkpoint | None) -> list[str]:
+    """The shard names of the model below ``target`` (the checkpoint ``ckpt``, when committed): its index's, else
+    every ``*.safetensors`` directly below."""
+    index_key = ckpt.file_key(INDEX) if ckpt is not None else target.join(INDEX)
     try:
         doc = json.loads(await read_object(store, index_key))
         shards = sorted(set(doc["weight_map"].values()))
     except ObjectNotFoundError:
-        shards = sorted([posixpath.basename(m.key) async for m in store.list(target.key)
-                         if m.key.endswith(SUFFIX) and posixpath.dirname(m.key) == target.key])
+        if ckpt is not None:
+            shards = sorted(n for n in ckpt.files if n.endswith(SUFFIX) and "/" not in n)
+        else:
+            shards = sorted([posixpath.basename(m.key) async for m in store.list(target.key)
+                             if m.key.endswith(SUFFIX) and posixpath.dirname(m.key) == target.key])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{target.raw}/{INDEX}: not a safetensors index ({exc!r})") from None
     if not shards:
