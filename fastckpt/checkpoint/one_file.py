@@ -38,11 +38,6 @@ def sidecar_key(key: str) -> str:
     return join_key(parent, f".{name}{SUFFIX}") if parent else f".{name}{SUFFIX}"
 
 
-def is_sidecar(name: str) -> bool:
-    """Whether a base name is a sidecar's (hidden from listings of checkpoints)."""
-    return name.startswith(".") and name.endswith(SUFFIX) and len(name) > len(SUFFIX) + 1
-
-
 @dataclass(frozen=True)
 class Record:
     """The bytes one save wrote to the file: size, chunk size, digest, chunk digests (hex)."""

@@ -16,8 +16,8 @@ checkpoint or the new one, and a save that dies leaves the old one loadable.
 
 The reader opens committed checkpoints (``allow_uncommitted=True``: also those the stock writer wrote, checked
 against their sizes only). Any rank may read any part of any file (DCP reshards on load); every chunk read is
-checked against its recorded digest. ``.metadata`` is read with ``torch.load(weights_only=True)``, allowing DCP's
-metadata classes and nothing else. With ``group=`` (``Reader(uri, group=pg)``), the metadata is read once for the
+checked against its recorded digest. ``.metadata`` is unpickled allowing DCP's metadata classes and nothing else
+(``dcp_format.load_metadata``). With ``group=`` (``Reader(uri, group=pg)``), the metadata is read once for the
 group and each byte that several ranks need is read from storage once (``group_dcp``).
 """
 
