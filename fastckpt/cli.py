@@ -117,7 +117,7 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, object]:
 
 
 def cmd_gc(args: argparse.Namespace) -> dict[str, object]:
-    report = gc(args.uri, args.older_than, args.dry_run, config=_config(args))
+    report = gc(args.uri, args.older_than, args.dry_run, config=_config(args), keep_last=args.keep_last)
     return report.__dict__
 
 
@@ -227,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     gcp.add_argument("uri")
     gcp.add_argument("--older-than", type=float, default=24 * 3600.0, help="seconds (default 86400)")
     gcp.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    gcp.add_argument("--keep-last", type=int, default=None, metavar="K",
+                     help="also remove the committed checkpoints below URI but the newest K (marker first)")
     agent = sub.add_parser("agent", parents=[common], help="drain a checkpoint tier to the durable store (the node "
                            "agent that saves with tier= start; runs until idle)")
     agent.add_argument("tier", help="the tier directory, e.g. /dev/shm/fastckpt")

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from ..config import TransferConfig
 from ..errors import CheckpointError
 from ..stores.base import ObjectMeta, PendingUpload, Store
+from ..tasks import gather_bounded
 from ..uri import StorageURI, join_key
-from .catalog import candidates, checkpoint_name, list_objects, with_store
+from .catalog import COMMITTED, SCAN_CONCURRENCY, candidates, checkpoint_name, info_of, list_objects, with_store
 from .manifest import marker_key, meta_prefix
 from .reader import load
 
@@ -29,7 +30,7 @@ class GcReport:
 
 
 async def gc_async(uri: str | StorageURI, older_than_s: float = 24 * 3600.0, dry_run: bool = False, *,
-                   config: TransferConfig | None = None) -> GcReport:
+                   config: TransferConfig | None = None, keep_last: int | None = None) -> GcReport:
     """Remove what no reader will ever use, once it is older than ``older_than_s`` seconds.
 
     - an uncommitted checkpoint whose newest object and upload are older: all of it, and its multipart
@@ -41,7 +42,14 @@ async def gc_async(uri: str | StorageURI, older_than_s: float = 24 * 3600.0, dry
       of objects deleted or replaced by other tools).
     Corrupt checkpoints are left alone. With ``dry_run`` nothing is removed. Like the rest of gc, meant for
     what nobody is writing to any more.
+
+    ``keep_last`` (at least 1): then the committed checkpoints at ``uri`` (itself or its direct sub-prefixes) but
+    the newest ``keep_last`` by commit time are removed as well, whatever their age: each one's commit marker first
+    (no reader takes it from then on; a removal cut short leaves an uncommitted checkpoint that gc takes later),
+    then its other objects.
     """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last={keep_last}: gc never removes the newest committed checkpoint (use 1 or more)")
     async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> GcReport:
         report = GcReport(dry_run)
         now = time.time()
@@ -57,9 +65,28 @@ async def gc_async(uri: str | StorageURI, older_than_s: float = 24 * 3600.0, dry
         report.removed.extend(orphans)
         if orphans and not dry_run:
             await store.delete_many(orphans)
+        if keep_last is not None:
+            await _keep_last(store, base, keep_last, report)
         return report
 
     return await with_store(uri, config, run)
+
+
+async def _keep_last(store: Store, base: StorageURI, keep: int, report: GcReport) -> None:
+    """Remove the committed checkpoints at ``base`` but the newest ``keep``: marker first, then the rest."""
+    found = await candidates(store, base.key)
+    infos = await gather_bounded([info_of(store, base, k, metas) for k, metas in found], SCAN_CONCURRENCY)
+    committed = sorted(((i.committed_at or 0.0, i.name, k) for i, (k, _) in zip(infos, found, strict=True)
+                        if i.state == COMMITTED))
+    for _, _, key in committed[:-keep]:
+        objects = await list_objects(store, key)
+        marker = marker_key(key)
+        report.removed.extend(m.key for m in objects)
+        report.bytes += sum(m.size for m in objects)
+        if report.dry_run:
+            continue
+        await store.delete(marker)
+        await store.delete_many([m.key for m in objects if m.key != marker])
 
 
 def _child_of(base: str, key: str) -> str | None:

@@ -50,9 +50,9 @@ def verify(uri: str | StorageURI, *, allow_uncommitted: bool = False, config: Tr
 
 
 def gc(uri: str | StorageURI, older_than_s: float = 24 * 3600.0, dry_run: bool = False, *,
-       config: TransferConfig | None = None) -> GcReport:
+       config: TransferConfig | None = None, keep_last: int | None = None) -> GcReport:
     """Sync twin of ``gc_async``."""
-    return run_sync(gc_async(uri, older_than_s, dry_run, config=config))
+    return run_sync(gc_async(uri, older_than_s, dry_run, config=config, keep_last=keep_last))
 
 
 class SyncCheckpointWriter:
