@@ -17,7 +17,7 @@ from ..integrity import FileDigest
 from ..stores.base import Store
 from ..tasks import gather_bounded
 from ..uri import StorageURI, join_key, parse_uri
-from .catalog import COMMITTED, SCAN_CONCURRENCY, candidates, info_of
+from .catalog import SCAN_CONCURRENCY, committed_keys
 from .manifest import GENERATION, MARKER, META_DIR, FileEntry, file_doc, file_entry
 from .reader import load
 
@@ -103,12 +103,8 @@ async def resolve_base(store: Store, target: StorageURI, base: str | StorageURI,
 async def _latest_beside(store: Store, target: StorageURI) -> str | None:
     """Key of the newest committed checkpoint in ``target``'s parent, ``target`` itself excluded."""
     parent = posixpath.dirname(target.key.strip("/"))
-    found = [(k, m) for k, m in await candidates(store, parent) if k.strip("/") != target.key.strip("/")]
-    infos = await gather_bounded([info_of(store, target, k, metas) for k, metas in found], SCAN_CONCURRENCY)
-    committed = [(i.committed_at or 0.0, i.name, k) for i, (k, _) in zip(infos, found, strict=True)
-                 if i.state == COMMITTED]
-    return max(committed)[2] if committed else None
-
+    found = [k for k in await committed_keys(store, target, parent) if k.strip("/") != target.key.strip("/")]
+    return found[-1] if found else None
 
 async def base_objects(store: Store, target: StorageURI, base: str | StorageURI, keys: list[str]
                        ) -> dict[str, BaseObject]:

@@ -121,6 +121,15 @@ async def read_manifests(store: Store, objects: Iterable[ObjectMeta]) -> list[Ra
     return await gather_bounded([one(m) for m in objects], SCAN_CONCURRENCY)
 
 
+async def committed_keys(store: Store, base: StorageURI, key: str) -> list[str]:
+    """Keys of the committed checkpoints at ``key`` (itself, or its direct sub-prefixes), oldest first (by commit
+    time, then name)."""
+    found = await candidates(store, key)
+    infos = await gather_bounded([info_of(store, base, k, metas) for k, metas in found], SCAN_CONCURRENCY)
+    return [k for _, _, k in sorted((i.committed_at or 0.0, i.name, k) for i, (k, _) in zip(infos, found, strict=True)
+                                    if i.state == COMMITTED)]
+
+
 async def list_checkpoints_async(uri: str | StorageURI, *, config: TransferConfig | None = None
                                  ) -> list[CheckpointInfo]:
     """Checkpoints at ``uri`` (itself, or its direct sub-prefixes), sorted by name."""

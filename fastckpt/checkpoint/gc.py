@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from ..config import TransferConfig
 from ..errors import CheckpointError
 from ..stores.base import ObjectMeta, PendingUpload, Store
-from ..tasks import gather_bounded
 from ..uri import StorageURI, join_key
-from .catalog import COMMITTED, SCAN_CONCURRENCY, candidates, checkpoint_name, info_of, list_objects, with_store
+from .catalog import candidates, checkpoint_name, committed_keys, list_objects, with_store
 from .manifest import marker_key, meta_prefix
 from .reader import load
 
@@ -74,11 +73,7 @@ async def gc_async(uri: str | StorageURI, older_than_s: float = 24 * 3600.0, dry
 
 async def _keep_last(store: Store, base: StorageURI, keep: int, report: GcReport) -> None:
     """Remove the committed checkpoints at ``base`` but the newest ``keep``: marker first, then the rest."""
-    found = await candidates(store, base.key)
-    infos = await gather_bounded([info_of(store, base, k, metas) for k, metas in found], SCAN_CONCURRENCY)
-    committed = sorted(((i.committed_at or 0.0, i.name, k) for i, (k, _) in zip(infos, found, strict=True)
-                        if i.state == COMMITTED))
-    for _, _, key in committed[:-keep]:
+    for key in (await committed_keys(store, base, base.key))[:-keep]:
         objects = await list_objects(store, key)
         marker = marker_key(key)
         report.removed.extend(m.key for m in objects)
