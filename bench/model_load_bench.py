@@ -32,6 +32,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench.juicefs import JuiceFSGateway  # noqa: E402
+from bench.spec_worker import answer, run_spec  # noqa: E402
 from bench.state_bench import s3_env  # noqa: E402
 from fastckpt.config import parse_size  # noqa: E402
 
@@ -110,12 +111,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        proc = subprocess.run([sys.executable, "-m", "bench.model_load_bench", "--worker", json.dumps(spec), out.name],
-                              cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0:
-            raise SystemExit(f"{spec['engine']}: {proc.stderr[-2000:]}")
-        return json.load(out)
+    out = run_spec("bench.model_load_bench", spec, env)
+    if "error" in out:
+        raise SystemExit(f"{spec['engine']}: {out['error']}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        with open(args.worker[1], "w") as f:
-            json.dump(worker(json.loads(args.worker[0])), f)
-        return 0
+        return answer(args.worker, worker)
     work = args.workdir or tempfile.mkdtemp(prefix="fastckpt-model-load-")
     model, scratch = os.path.join(work, "model"), os.path.join(work, "scratch")
     os.makedirs(model, exist_ok=True)

@@ -42,6 +42,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench.juicefs import JuiceFSGateway, delete_prefix  # noqa: E402
+from bench.spec_worker import answer, run_spec  # noqa: E402
 from bench.worker import vm_hwm_mib  # noqa: E402
 from harness.link import PROFILES, LinkProcess  # noqa: E402
 
@@ -351,26 +352,17 @@ def bare_copy_s(state: Any, staging: Any) -> float:
 # ----------------------------------------------------------------------------- the driver
 
 
-def run_worker(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        proc = subprocess.run([sys.executable, "-m", "bench.state_bench", "--worker", json.dumps(spec), out.name],
-                              cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0:
-            return {"error": (proc.stderr or proc.stdout)[-1500:]}
-        return json.load(out)
-
-
 def timed_worker(spec: dict[str, Any], env: dict[str, str], gateway: JuiceFSGateway | None,
                  link: str | None = None) -> dict[str, Any]:
-    """``run_worker``, plus the CPU seconds the S3 server spent meanwhile (it shares the host's cores); with
+    """``run_spec``, plus the CPU seconds the S3 server spent meanwhile (it shares the host's cores); with
     ``link``, through a fresh emulated link of that profile (its request count recorded)."""
     before = gateway.cpu_seconds() if gateway is not None else 0.0
     if link and gateway is not None:
         with LinkProcess(int(gateway.endpoint.rsplit(":", 1)[1]), link) as emulator:
-            out = run_worker({**spec, "endpoint": emulator.url}, {**env, **s3_env(emulator.url)})
+            out = run_spec("bench.state_bench", {**spec, "endpoint": emulator.url}, {**env, **s3_env(emulator.url)})
         out["requests"] = emulator.stats.get("requests")
     else:
-        out = run_worker(spec, env)
+        out = run_spec("bench.state_bench", spec, env)
     if gateway is not None:
         out["server_cpu_s"] = gateway.cpu_seconds() - before
     return out
@@ -399,10 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        spec_json, out = args.worker
-        with open(out, "w") as f:
-            json.dump(worker(json.loads(spec_json)), f)
-        return 0
+        return answer(args.worker, worker)
     if args.device == "cuda":
         from bench.gpu import require_device
 
