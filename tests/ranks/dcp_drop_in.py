@@ -28,7 +28,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import fastckpt.checkpoint.writer
@@ -37,8 +36,7 @@ from fastckpt import open_store, parse_uri
 from fastckpt._loop import run_sync
 from fastckpt.torch.dcp import Reader, Writer
 from harness.uris import below
-from tests.ranks import run_ranks
-from tests.ranks.dcp_job import die_mid_upload, full_state
+from tests.ranks.dcp_job import cpu_mesh, die_mid_upload, full_state, job_main
 
 PLANS = [[Shard(0)], [Shard(1)], [Replicate()]]
 
@@ -169,24 +167,13 @@ def crash(rank: int, mesh, base: str) -> None:
 
 
 def rank_main(rank: int, mode: str, base: str, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
-    try:
+    with cpu_mesh(rank, world, port) as mesh:
         if mode == "survivor":
             check(_load(below(base, "k"), mesh, PLANS[2]), full_state(40), 40)
         else:
             {"resave": resave, "options": options, "interop": interop, "crash": crash}[mode](rank, mesh, base)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def main() -> int:
-    mode, uri, world, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    codes = run_ranks(rank_main, world, mode, uri, world, port, timeout=150)
-    return 0 if all(c == 0 for c in codes) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(job_main(rank_main, timeout=150))

@@ -20,13 +20,15 @@ Exit status 0 when every rank's check passed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import fastckpt.checkpoint.writer
@@ -129,11 +131,20 @@ def restart_from_tiers(rank: int, mesh, uri: str, tier: str) -> None:
     assert reader.bytes_read["tier"] >= own, (own, reader.bytes_read)
 
 
-def rank_main(rank: int, mode: str, base: str, world: int, port: int) -> None:
+@contextlib.contextmanager
+def cpu_mesh(rank: int, world: int, port: int) -> Iterator[DeviceMesh]:
+    """This rank in a gloo world of ``world`` ranks meeting at 127.0.0.1:``port``, and a 1-D CPU mesh over it; the
+    process group is destroyed after."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
     try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_main(rank: int, mode: str, base: str, world: int, port: int) -> None:
+    with cpu_mesh(rank, world, port) as mesh:
         if mode == "save":
             dcp.save(sharded(full_state(1), mesh, 10), storage_writer=Writer(below(base, "a")))
             dcp.async_save(sharded(full_state(2), mesh, 20), storage_writer=Writer(below(base, "b"))).result()
@@ -177,15 +188,15 @@ def rank_main(rank: int, mode: str, base: str, world: int, port: int) -> None:
             dcp.save(sharded(full_state(4), mesh, 40), storage_writer=Writer(below(base, "c")))
             check(load_into(below(base, "c"), mesh, 4), full_state(4), 40)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
-def main() -> int:
+def job_main(rank_main: Callable[[int, str, str, int, int], None], timeout: float = 240) -> int:
+    """``python -m JOB MODE URI WORLD PORT``: ``rank_main(rank, MODE, URI, WORLD, PORT)`` on ``WORLD`` ranks; 0 when
+    every rank passed."""
     mode, uri, world, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    codes = run_ranks(rank_main, world, mode, uri, world, port)
+    codes = run_ranks(rank_main, world, mode, uri, world, port, timeout=timeout)
     return 0 if all(c == 0 for c in codes) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(job_main(rank_main))
