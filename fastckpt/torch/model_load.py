@@ -77,16 +77,16 @@ async def model_files(store: Store, target: StorageURI, cfg: TransferConfig) -> 
         base, names = posixpath.dirname(target.key), [posixpath.basename(target.key)]
     else:
         base, names = target.key, await _shard_names(store, target, ckpt)
-    out = []
-    for name in names:
-        if ckpt is not None and ckpt.files.get(name) is not None:
-            out.append((ckpt.file_key(name), ckpt.files[name]))
-            continue
+
+    async def located(name: str) -> tuple[str, FileDigest]:
+        recorded = ckpt.files.get(name) if ckpt is not None else None
+        if ckpt is not None and recorded is not None:
+            return ckpt.file_key(name), recorded
         key = posixpath.join(base, name) if base else name
-        meta = await store.head(key)
-        out.append((key, FileDigest.from_metadata(meta.size, meta.metadata) or FileDigest(meta.size,
-                                                                                         cfg.part_size, "")))
-    return out
+        meta = await store.head(key)  # the shards' heads side by side: one round trip for all
+        return key, FileDigest.from_metadata(meta.size, meta.metadata) or FileDigest(meta.size, cfg.part_size, "")
+
+    return await gather_all(located(n) for n in names)
 
 
 async def _shard_names(store: Store, target: StorageURI, ckpt: Checkpoint | None) -> list[str]:
