@@ -130,13 +130,10 @@ class Reader(_Location, StorageReader):
         return ckpt, metadata, found
 
     async def _open(self, store: Store, target: StorageURI, cfg: TransferConfig) -> Checkpoint:
-        """The committed checkpoint at ``target``; without a marker, when allowed, its files as listed."""
-        if await store.exists(marker_key(target.key)):
+        """The committed checkpoint at ``target``; without a marker, when allowed, its files as listed. (Not allowed:
+        one read of the marker, whose absence is a CheckpointError naming ``allow_uncommitted=True``.)"""
+        if not self.allow_uncommitted or await store.exists(marker_key(target.key)):
             return await open_checkpoint_async(target, config=cfg, store=store)
-        if not self.allow_uncommitted:
-            raise CheckpointError(f"checkpoint {target.raw} is not committed (no .fastckpt/COMMITTED): one the stock "
-                                  "FileSystemWriter wrote reads with Reader(allow_uncommitted=True), checked against "
-                                  "its files' sizes only")
         if self.group is not None:
             raise CheckpointError(f"{self.uri} has no commit marker: Reader(group=) reads committed checkpoints "
                                   "only (their chunk digests are what the group checks)")
