@@ -9,7 +9,7 @@ import posixpath
 from ._loop import BackgroundLoop
 from .checkpoint.base import base_objects
 from .checkpoint.catalog import latest_async as catalog_latest
-from .checkpoint.manifest import MARKER, META_DIR
+from .checkpoint.manifest import marker_key
 from .checkpoint.reader import download_checkpoint_async
 from .config import TransferConfig
 from .engine.open_stores import store_for
@@ -116,7 +116,7 @@ async def download_async(
 def checkpoints_in(rels: list[str]) -> list[str]:
     """The committed checkpoints among relative keys (a prefix's listing): those holding a commit marker, outermost
     only ("": the prefix itself)."""
-    marker = join_key(META_DIR, MARKER)
+    marker = marker_key("")
     found = sorted({rel[:-len(marker)].rstrip("/") for rel in rels if rel == marker or rel.endswith("/" + marker)})
     return [r for i, r in enumerate(found) if not any(_below(r, o) for o in found[:i])]
 
