@@ -5,57 +5,53 @@ from __future__ import annotations
 import asyncio
 import os
 import posixpath
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from ._loop import BackgroundLoop
 from .checkpoint.base import base_objects
 from .checkpoint.catalog import latest_async as catalog_latest
-from .checkpoint.manifest import marker_key
+from .checkpoint.catalog import target_of
+from .checkpoint.manifest import META_DIR, marker_key
 from .checkpoint.reader import download_checkpoint_async
 from .config import TransferConfig
 from .engine.open_stores import store_for
 from .engine.paths import local_files, paths_below
 from .engine.progress import ProgressCallback
+from .engine.select import Selection, has_below, keys_below, split_wildcard
 from .engine.session import FileResult
 from .engine.transfer import Transfer
 from .errors import ObjectNotFoundError
-from .stores.base import ObjectMeta
+from .stores.base import ObjectMeta, Store
 from .tier import Tier, latest_across
-from .uri import StorageURI, join_key, parse_uri
+from .uri import StorageURI, join_key, names_folder
 
 PathLike = str | os.PathLike[str]
-
-
-def _target(uri: str | StorageURI) -> StorageURI:
-    parsed = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
-    if parsed.backend == "delegate":
-        raise ValueError(f"{parsed.raw!r}: scheme {parsed.scheme!r} is not a fastckpt backend; "
-                         "use fastckpt.fs.filesystem() to reach it through pyarrow")
-    return parsed
 
 
 async def upload_async(
     src: PathLike, dst: str | StorageURI, *, config: TransferConfig | None = None,
     progress: ProgressCallback | None = None, base: str | StorageURI | None = None,
+    filters: Sequence[tuple[str, str]] = (),
 ) -> list[FileResult]:
     """Upload a local file or directory to ``dst``.
 
-    A file goes to ``dst`` itself, or below it when ``dst`` ends with '/'. A directory's files go below
-    ``dst`` with their relative paths. ``base``: an earlier copy of the directory in the same bucket (a committed
+    Paths as ``aws s3 cp`` and s5cmd take them, on every store: a file goes to ``dst`` itself, or below it under its
+    own name when ``dst`` names a folder (a URI string whose path ends with '/', or a prefix that already holds
+    objects). A directory's files go below ``dst`` with their relative paths (its contents, not the directory). ``src``
+    may hold wildcards (``engine.select``: ``*``, ``?``, ``**``): the matching files go below ``dst`` with their paths
+    relative to the folder before the first wildcard. ``filters``: ordered ``("exclude" | "include", pattern)`` pairs
+    (``engine.select.Selection``). ``base``: an earlier copy of the directory in the same bucket (a committed
     checkpoint, ``"latest"`` beside ``dst``, or any prefix whose objects carry fastckpt digests); each file that
     holds the same bytes as the base's file of the same relative name, and each part of one that holds the same
     chunk, is copied by the store instead of sent (``FileResult.copied``).
     """
-    src = os.fspath(src)
-    target = _target(dst)
-    if not os.path.exists(src):
-        raise FileNotFoundError(f"source {src} does not exist")
-    if os.path.isdir(src):
-        pairs = [(path, target.join(rel)) for path, rel in local_files(src)]
-    else:
-        key = target.join(os.path.basename(src)) if str(dst).endswith("/") else target.key
-        pairs = [(src, key)]
+    target = target_of(dst)
+    folder, pattern = split_wildcard(os.fspath(src))
+    selection = Selection.of(pattern, filters)
     config = config or TransferConfig.from_env()
     async with store_for(target, config) as store:
+        pairs = await upload_pairs(store, folder, target, names_folder(dst), selection)
         transfer = Transfer(store, config, progress)
         try:
             bases = {} if base is None else await base_objects(store, target, base, [k for _, k in pairs])
@@ -64,9 +60,28 @@ async def upload_async(
             transfer.close()
 
 
+async def upload_pairs(store: Store, src: str, target: StorageURI, into: bool,
+                        selection: Selection) -> list[tuple[str, str]]:
+    """(local path, key) of each file an upload of ``src`` to ``target`` sends."""
+    if not os.path.exists(src):
+        raise FileNotFoundError(f"source {src} does not exist")
+    if os.path.isdir(src):
+        pairs = [(path, target.join(rel)) for path, rel in local_files(src) if selection.takes(rel)]
+        if not pairs and not selection.everything:
+            raise FileNotFoundError(f"no file below {src} matches {selection.pattern or 'the filters'}")
+        return pairs
+    if selection.pattern is not None:
+        raise NotADirectoryError(f"{src} is a file: a wildcard must follow a folder")
+    if not selection.takes(os.path.basename(src)):
+        return []
+    if into or await has_below(store, target.key):
+        return [(src, target.join(os.path.basename(src)))]
+    return [(src, target.key)]
+
+
 async def download_async(
     src: str | StorageURI, dst: PathLike, *, config: TransferConfig | None = None,
-    progress: ProgressCallback | None = None, raw: bool = False,
+    progress: ProgressCallback | None = None, raw: bool = False, filters: Sequence[tuple[str, str]] = (),
 ) -> list[FileResult]:
     """Download an object or every object below a prefix to the local path ``dst``.
 
@@ -74,43 +89,87 @@ async def download_async(
     objects land below ``dst`` with their relative keys. A committed checkpoint at or below the prefix comes down as
     ``download_checkpoint`` brings it: its committed files only, each verified against its manifest (not fastckpt's
     ``.fastckpt/`` records, nor files of attempts that never committed or were replaced); ``raw=True`` copies every
-    object as it is.
+    object as it is. ``src`` may hold wildcards and ``filters`` select as in ``upload_async``: then the matching
+    objects come down one by one, each verified against its own digests (``.fastckpt/`` records only with ``raw``).
     """
-    dst = os.fspath(dst)
-    source = _target(src)
     config = config or TransferConfig.from_env()
+    source, selection = _source(src, filters)
     async with store_for(source, config) as store:
+        plan = await _plan_download(store, source, os.fspath(dst), selection, raw)
         transfer = Transfer(store, config, progress)
         try:
-            # an object or a prefix? Both asked at once: a prefix's download does not wait a round trip for the answer
-            listing = asyncio.ensure_future(transfer.keys_below(source.key))
-            try:
-                meta: ObjectMeta | None = await store.head(source.key) if source.key else None
-            except (ObjectNotFoundError, IsADirectoryError):
-                meta = None
-            except BaseException:
-                await _cancelled(listing)
-                raise
-            if meta is not None:
-                await _cancelled(listing)
-                path = dst
-                if os.path.isdir(dst) or dst.endswith(("/", os.sep)):
-                    path = os.path.join(dst, posixpath.basename(source.key))
-                return await transfer.download_files([(source.key, path)], metas={source.key: meta})
-            if os.path.isfile(dst):
-                await _cancelled(listing)
-                raise NotADirectoryError(f"destination {dst} is a file, but {source.raw} is a directory")
-            found = await listing
-            roots = [] if raw else checkpoints_in([rel for _, rel, _ in found])
-            plain = [f for f in found if not any(_below(f[1], r) for r in roots)]
-            pairs = list(zip([k for k, _, _ in plain], paths_below(dst, [rel for _, rel, _ in plain]), strict=True))
-            results = await transfer.download_files(pairs, sizes={k: size for k, _, size in plain}) if pairs else []
-            for rel in roots:
-                results += await download_checkpoint_async(source.with_key(source.join(rel)),
-                                                           os.path.join(dst, rel), config=config, progress=progress)
-            return results
+            results = await transfer.download_files(plan.pairs, sizes=plan.sizes, metas=plan.metas) \
+                if plan.pairs else []
         finally:
             transfer.close()
+        for uri, path in plan.checkpoints:
+            results += await download_checkpoint_async(uri, path, config=config, progress=progress)
+        return results
+
+
+@dataclass(frozen=True)
+class DownloadPlan:
+    """What a download does: the objects it copies (``(key, path)``, with what their listing or HEAD said), and the
+    committed checkpoints it brings as ``download_checkpoint`` does (``(uri, path)``)."""
+
+    pairs: list[tuple[str, str]]
+    sizes: dict[str, int] = field(default_factory=dict)
+    metas: dict[str, ObjectMeta] = field(default_factory=dict)
+    checkpoints: list[tuple[StorageURI, str]] = field(default_factory=list)
+
+
+async def plan_download_async(src: str | StorageURI, dst: PathLike, *, raw: bool = False,
+                              filters: Sequence[tuple[str, str]] = (),
+                              config: TransferConfig | None = None) -> DownloadPlan:
+    """What ``download_async`` with these arguments would do, doing none of it (``fastckpt cp --dry-run``)."""
+    source, selection = _source(src, filters)
+    async with store_for(source, config or TransferConfig.from_env()) as store:
+        return await _plan_download(store, source, os.fspath(dst), selection, raw)
+
+
+def _source(src: str | StorageURI, filters: Sequence[tuple[str, str]]) -> tuple[StorageURI, Selection]:
+    text, pattern = split_wildcard(src) if isinstance(src, str) else (src, None)
+    return target_of(text), Selection.of(pattern, filters)
+
+
+async def _plan_download(store: Store, source: StorageURI, dst: str, selection: Selection,
+                         raw: bool) -> DownloadPlan:
+    # an object or a prefix? Both asked at once: a prefix's download does not wait a round trip for the answer
+    listing = asyncio.ensure_future(keys_below(store, source.key))
+    try:
+        meta: ObjectMeta | None = (await store.head(source.key)
+                                   if source.key and selection.pattern is None else None)
+    except (ObjectNotFoundError, IsADirectoryError):
+        meta = None
+    except BaseException:
+        await _cancelled(listing)
+        raise
+    if meta is not None:
+        await _cancelled(listing)
+        if not selection.takes(posixpath.basename(source.key)):
+            return DownloadPlan([])
+        path = dst
+        if os.path.isdir(dst) or dst.endswith(("/", os.sep)):
+            path = os.path.join(dst, posixpath.basename(source.key))
+        return DownloadPlan([(source.key, path)], metas={source.key: meta})
+    if os.path.isfile(dst):
+        await _cancelled(listing)
+        raise NotADirectoryError(f"destination {dst} is a file, but {source.raw} is a directory")
+    found = await listing
+    if not selection.everything:
+        found = [f for f in found if selection.takes(f[1]) and (raw or not is_record(f[1]))]
+        if not found:
+            raise ObjectNotFoundError(f"nothing below {source.raw} matches {selection.pattern or 'the filters'}")
+    roots = [] if raw or not selection.everything else checkpoints_in([rel for _, rel, _ in found])
+    plain = [f for f in found if not any(_below(f[1], r) for r in roots)]
+    pairs = list(zip([k for k, _, _ in plain], paths_below(dst, [rel for _, rel, _ in plain]), strict=True))
+    return DownloadPlan(pairs, {k: size for k, _, size in plain}, {},
+                        [(source.with_key(source.join(rel)), os.path.join(dst, rel)) for rel in roots])
+
+
+def is_record(rel: str) -> bool:
+    """Whether the relative key lies in a checkpoint's ``.fastckpt/`` records."""
+    return META_DIR in rel.split("/")[:-1]
 
 
 def checkpoints_in(rels: list[str]) -> list[str]:
@@ -132,17 +191,21 @@ async def _cancelled(task: asyncio.Future[object]) -> None:
 
 
 def upload(src: PathLike, dst: str | StorageURI, *, config: TransferConfig | None = None,
-           progress: ProgressCallback | None = None, base: str | StorageURI | None = None) -> list[FileResult]:
+           progress: ProgressCallback | None = None, base: str | StorageURI | None = None,
+           filters: Sequence[tuple[str, str]] = ()) -> list[FileResult]:
     """Sync twin of ``upload_async``, run on fastckpt's background loop, which keeps the store open for the next
     call (``engine.open_stores``); an interrupt (Ctrl-C) cancels the transfer."""
-    return BackgroundLoop.get().run(upload_async(src, dst, config=config, progress=progress, base=base))
+    return BackgroundLoop.get().run(upload_async(src, dst, config=config, progress=progress, base=base,
+                                                 filters=filters))
 
 
 def download(src: str | StorageURI, dst: PathLike, *, config: TransferConfig | None = None,
-             progress: ProgressCallback | None = None, raw: bool = False) -> list[FileResult]:
+             progress: ProgressCallback | None = None, raw: bool = False,
+             filters: Sequence[tuple[str, str]] = ()) -> list[FileResult]:
     """Sync twin of ``download_async``, run on fastckpt's background loop, which keeps the store open for the next
     call (``engine.open_stores``); an interrupt (Ctrl-C) cancels the transfer."""
-    return BackgroundLoop.get().run(download_async(src, dst, config=config, progress=progress, raw=raw))
+    return BackgroundLoop.get().run(download_async(src, dst, config=config, progress=progress, raw=raw,
+                                                   filters=filters))
 
 
 async def latest_async(uri: str | StorageURI, *, tier: PathLike | Tier | None = None,

@@ -77,6 +77,17 @@ class StorageURI:
         return f"{scheme}://{self.bucket}/{key}".rstrip("/")
 
 
+def names_folder(uri: str | os.PathLike[str] | StorageURI) -> bool:
+    """Whether ``uri``, as written, names a folder: its path ends with '/' (before any '?options'), as a destination
+    of ``aws s3 cp`` or s5cmd does. A parsed ``StorageURI`` never does (its key has no trailing slash)."""
+    if isinstance(uri, StorageURI):
+        return False
+    text = os.fspath(uri)
+    if "://" not in text:
+        return text.endswith(("/", os.sep))
+    return urlsplit(text).path.endswith("/") or text.endswith("/")
+
+
 def parse_flag(name: str, value: str | None, where: str) -> bool | None:
     """A boolean option (``config.parse_bool``: the same rule on every backend); None when absent."""
     return None if value is None else parse_bool(value, f"{where}: option {name}")

@@ -23,7 +23,9 @@ def test_cp_ls_verify_roundtrip(tmp_path) -> None:
     up = run("cp", str(src), store, "--json")
     assert up.returncode == 0, up.stderr
     assert json.loads(up.stdout)["files"] == 2
-    ls = run("ls", store, "--json")
+    ls = json.loads(run("ls", store, "--json").stdout)
+    assert [o["size"] for o in ls["objects"]] == [3000] and ls["folders"] == [f"{tmp_path}/store/ckpt/sub/"]
+    ls = run("ls", "-r", store, "--json")
     assert sorted(o["size"] for o in json.loads(ls.stdout)["objects"]) == [5, 3000]
     ver = run("verify", store)
     assert ver.returncode == 0 and "verified" in ver.stdout
@@ -72,7 +74,7 @@ def test_checkpoint_ls_verify_gc(tmp_path) -> None:
     (crashed / "rank-00000.json").write_text("{}")
     (run_dir / "step-2" / "partial.bin").write_bytes(b"partial")
 
-    listing = json.loads(run("ls", str(run_dir), "--json").stdout)["checkpoints"]
+    listing = json.loads(run("ls", "--checkpoints", str(run_dir), "--json").stdout)["checkpoints"]
     assert {c["name"]: c["state"] for c in listing} == {"step-1": "committed", "step-2": "uncommitted"}
     assert run("verify", str(run_dir / "step-1")).returncode == 0
 
@@ -119,3 +121,46 @@ def test_cp_with_a_base_copies_what_did_not_change(tmp_path) -> None:
     assert (back / "shards" / "frozen.bin").read_bytes() == frozen
     missing = run("cp", str(src), f"{store}/4", "--base", "s3://elsewhere/run/3")
     assert missing.returncode != 0 and "not in the bucket" in missing.stderr
+
+
+def test_the_verbs_as_an_s5cmd_user_types_them(s3_uri: str, tmp_path) -> None:
+    """The issue's table on moto (the endpoint rides in the URI's options, after the trailing '/'), then each verb
+    once through the real command line; exit status 2 for a usage error."""
+    base, _, query = s3_uri.partition("?")
+    at = lambda rel: f"{base}/{rel}?{query}"  # noqa: E731
+    model = tmp_path / "model.bin"
+    model.write_bytes(os.urandom(5000))
+    assert run("cp", str(model), at("run/")).returncode == 0
+    for i in range(3):
+        (tmp_path / "ck").mkdir(exist_ok=True)
+        (tmp_path / "ck" / f"m-{i}.safetensors").write_bytes(bytes([i]) * (i + 1))
+    (tmp_path / "ck" / "config.json").write_bytes(b"{}")
+    assert run("cp", str(tmp_path / "ck"), at("ckpt/")).returncode == 0
+    listing = json.loads(run("ls", "-r", at(""), "--json").stdout)["objects"]
+    assert sorted(o["key"][len(base.split("/", 3)[3]) + 1:] for o in listing) == [
+        "ckpt/config.json", "ckpt/m-0.safetensors", "ckpt/m-1.safetensors", "ckpt/m-2.safetensors", "run/model.bin"]
+    got = run("cp", at("ckpt/*.safetensors"), f"{tmp_path}/out/")
+    assert got.returncode == 0, got.stderr
+    assert sorted(os.listdir(tmp_path / "out")) == ["m-0.safetensors", "m-1.safetensors", "m-2.safetensors"]
+
+    cat = subprocess.run([*CLI, "cat", at("run/model.bin")], capture_output=True, timeout=120)
+    assert cat.returncode == 0 and cat.stdout == model.read_bytes()
+    du = json.loads(run("du", at(""), "--json").stdout)
+    assert (du["objects"], du["bytes"]) == (5, 5000 + 6 + 2)
+    human = run("ls", "-l", "-H", at("run"))
+    assert "4.9K" in human.stdout and "model.bin" in human.stdout
+    dry = run("rm", "-r", "-n", at("ckpt"))
+    assert dry.stdout.count("would remove") == 4 and run("ls", "-r", at("ckpt"), "--json").stdout.count("key") == 4
+    assert run("mv", at("ckpt/config.json"), at("moved/")).returncode == 0
+    (tmp_path / "ck" / "m-0.safetensors").write_bytes(b"\xff")
+    synced = json.loads(run("sync", str(tmp_path / "ck"), at("ckpt"), "--delete", "--json").stdout)
+    assert (synced["files"], synced["unchanged"], synced["deleted"]) == (2, 2, [])  # m-0 changed, config.json gone
+    assert run("rm", "-r", at("")).returncode == 0
+    assert json.loads(run("ls", "-r", at(""), "--json").stdout)["objects"] == []
+
+    usage = run("cp", "only-one-argument")
+    assert usage.returncode == 2 and "usage:" in usage.stderr
+    helped = run("--help").stdout
+    assert all(f"    {verb} " in helped for verb in ("cp", "mv", "sync", "rm", "cat", "ls", "du"))
+    assert "exit status" in helped
+    assert "e.g. s3://b/run/" in run("cp", "--help").stdout

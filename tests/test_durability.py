@@ -57,7 +57,7 @@ def test_fsync_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cp_durable_asks_for_fsync() -> None:
-    from fastckpt.cli import _config, build_parser
+    from fastckpt.cli import build_parser, config_of
 
-    assert _config(build_parser().parse_args(["cp", "--durable", "s3://b/k", "/tmp/x"])).download_fsync
-    assert _config(build_parser().parse_args(["cp", "s3://b/k", "/tmp/x"])).fsync is None
+    assert config_of(build_parser().parse_args(["cp", "--durable", "s3://b/k", "/tmp/x"])).download_fsync
+    assert config_of(build_parser().parse_args(["cp", "s3://b/k", "/tmp/x"])).fsync is None

@@ -37,6 +37,7 @@ from fastckpt import (
 )
 from fastckpt.engine import upload as upload_module
 from fastckpt.engine.plan import plan_upload
+from fastckpt.engine.select import keys_below
 from fastckpt.engine.transfer import Transfer
 from fastckpt.integrity import META_CHUNK, META_DIGEST, FileDigest
 from fastckpt.stores.s3 import RECORD_DIR, RECORD_ETAG, RECORD_MARK, S3Store, resolve_endpoint
@@ -819,7 +820,7 @@ async def test_small_files_come_down_in_one_request_each(s3, tmp_path) -> None:
     query = "?" + uri.raw.split("?")[1]
     await fastckpt.upload_async(str(src), base + query, config=small_config())
     transfer = Transfer(store, small_config())
-    found = await transfer.keys_below(uri.join("up"))
+    found = await keys_below(store, uri.join("up"))
     heads, gets = await record_data_path(store, "HEAD"), await record_data_path(store, "GET")
     results = await transfer.download_files([(k, str(tmp_path / "out" / rel)) for k, rel, _ in found],
                                             sizes={k: size for k, _, size in found})
@@ -837,7 +838,7 @@ async def test_a_restore_from_an_endpoint_of_ones_own_builds_no_botocore_client(
     for key, body in data.items():
         raw_client(moto_server).put_object(Bucket=BUCKET, Key=uri.join(key), Body=body)
     transfer = Transfer(store, small_config())
-    found = await transfer.keys_below(uri.join("r"))
+    found = await keys_below(store, uri.join("r"))
     await transfer.download_files([(k, str(tmp_path / rel)) for k, rel, _ in found],
                                   sizes={k: size for k, _, size in found})
     transfer.close()

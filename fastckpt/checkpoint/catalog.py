@@ -50,9 +50,11 @@ def checkpoint_name(key: str) -> str:
 
 
 def target_of(uri: str | StorageURI) -> StorageURI:
+    """``uri`` parsed; ValueError when its scheme is not a fastckpt backend."""
     parsed = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
     if parsed.backend == "delegate":
-        raise ValueError(f"{parsed.raw!r}: scheme {parsed.scheme!r} is not a fastckpt backend")
+        raise ValueError(f"{parsed.raw!r}: scheme {parsed.scheme!r} is not a fastckpt backend; "
+                         "use fastckpt.fs.filesystem() to reach it through pyarrow")
     return parsed
 
 

@@ -8,7 +8,6 @@ import os
 from dataclasses import dataclass
 
 from ..config import TransferConfig
-from ..errors import ObjectNotFoundError, StoreError
 from ..integrity import FileDigest
 from ..stores.base import Store
 from ..stores.retry import retrying
@@ -66,18 +65,3 @@ class TransferSession:
     def planned_requests(self) -> int:
         """How many requests to cut a transfer on this session's endpoint into (``AdaptiveLimit.planned``)."""
         return self.store.planned_requests()
-
-    async def keys_below(self, prefix: str) -> list[tuple[str, str, int]]:
-        """(key, path relative to ``prefix``, size) of every object below ``prefix``; error when none."""
-        prefix = prefix.strip("/")
-        found = []
-        async for meta in self.store.list(prefix):
-            rel = meta.key[len(prefix):].lstrip("/") if prefix else meta.key
-            if not rel:
-                continue
-            if any(part in ("", ".", "..") for part in rel.split("/")):
-                raise StoreError(f"refusing unsafe object name {meta.key!r}")
-            found.append((meta.key, rel, meta.size))
-        if not found:
-            raise ObjectNotFoundError(f"nothing found below {prefix!r} in {self.store.name}")
-        return found

@@ -1,0 +1,5 @@
+"""``python -m fastckpt.cli``."""
+
+from . import run
+
+run()

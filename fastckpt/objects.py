@@ -1,0 +1,231 @@
+"""Commands on stored objects as s5cmd and ``aws s3`` have them: list, remove, print, sum sizes (``mirror``: move,
+sync). Each takes wildcards and filters (``engine.select``) and keeps checkpoints whole: a commit marker is the first
+object removed and the last one written, so a checkpoint never looks committed while it is half there."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import posixpath
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ._loop import BackgroundLoop
+from .api import checkpoints_in
+from .checkpoint.catalog import target_of
+from .checkpoint.manifest import MARKER, META_DIR, marker_key
+from .config import TransferConfig
+from .engine.open_stores import store_for
+from .engine.select import Selection, has_below, split_wildcard
+from .engine.stream import StreamReader
+from .errors import ObjectNotFoundError
+from .stores.base import ObjectMeta, Store
+from .threads import off_loop
+from .uri import StorageURI
+
+Filters = Sequence[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One object a command selected: its key, its path relative to the listed folder, what the listing said."""
+
+    key: str
+    rel: str
+    meta: ObjectMeta
+
+    def taken_by(self, selection: Selection) -> bool:
+        """Whether ``selection`` takes it (the object a URI names itself is judged by its name)."""
+        return selection.takes(self.rel or posixpath.basename(self.key))
+
+
+def is_marker(rel: str) -> bool:
+    """Whether a relative key is a checkpoint's commit marker."""
+    return rel == marker_key("") or rel.endswith(f"/{META_DIR}/{MARKER}")
+
+
+def at(uri: StorageURI, key: str) -> str:
+    """Where ``key`` of ``uri``'s store is, as people write it: ``s3://bucket/key``, a local path (no options)."""
+    return str(uri.with_key(key))
+
+
+def relative(prefix: str, key: str) -> str:
+    """``key``'s path below the folder ``prefix`` ("" for the object named ``prefix`` itself)."""
+    return key[len(prefix):].lstrip("/") if prefix else key
+
+
+def source_of(uri: str | StorageURI, filters: Filters) -> tuple[StorageURI, Selection]:
+    """The folder (or object) a command lists and what it takes there."""
+    text, pattern = split_wildcard(uri) if isinstance(uri, str) else (uri, None)
+    return target_of(text), Selection.of(pattern, filters)
+
+
+async def select(store: Store, source: StorageURI, selection: Selection, *, recursive: bool = True) -> list[Listed]:
+    """The objects at or below ``source`` that ``selection`` takes. Without ``recursive`` (and no wildcard), only
+    the object ``source`` names: IsADirectoryError when it is a folder, ObjectNotFoundError when nothing is there."""
+    if recursive or selection.pattern is not None:
+        found = [Listed(m.key, relative(source.key, m.key), m) async for m in store.list(source.key)]
+        return [f for f in found if f.taken_by(selection)]
+    try:
+        meta = await store.head(source.key)
+    except (ObjectNotFoundError, IsADirectoryError):
+        if source.key and await has_below(store, source.key):
+            raise IsADirectoryError(f"{source.raw} is a folder: take what is below it with --recursive "
+                                    "(recursive=True)") from None
+        raise ObjectNotFoundError(f"{source.raw}: no such object", key=source.key) from None
+    found = Listed(meta.key, "", meta)
+    return [found] if found.taken_by(selection) else []
+
+
+async def chosen_below(store: Store, source: StorageURI, selection: Selection, *, recursive: bool,
+                       what: str) -> tuple[list[Listed], list[Listed]]:
+    """(every object below ``source``, the ones ``selection`` takes), listed once; with neither ``recursive`` nor a
+    wildcard, ([], the object ``source`` names). ObjectNotFoundError naming ``what`` when nothing is taken."""
+    if recursive or selection.pattern is not None:
+        listed = await select(store, source, Selection())
+        chosen = [f for f in listed if f.taken_by(selection)]
+    else:
+        listed, chosen = [], await select(store, source, selection, recursive=False)
+    if not chosen:
+        raise ObjectNotFoundError(f"nothing to {what} at {source.raw}"
+                                  + (f" matching {selection.pattern}" if selection.pattern else ""))
+    return listed, chosen
+
+
+async def markers_of(store: Store, source: StorageURI, listed: list[Listed], chosen: list[Listed]) -> list[str]:
+    """Commit markers of the checkpoints that removing ``chosen`` (of the full listing ``listed``) would break: those
+    found in the listing with a chosen object below them, and the one of a checkpoint that holds ``source`` itself."""
+    markers = []
+    for root in checkpoints_in([f.rel for f in listed]):
+        if any(not root or f.rel == root or f.rel.startswith(root + "/") for f in chosen):
+            markers.append(source.join(marker_key(root)))
+    if chosen and source.key:
+        parts = source.key.split("/")
+        above = [marker_key("/".join(parts[:n])) for n in range(len(parts) - 1, -1, -1)]
+        found = await asyncio.gather(*(store.exists(k) for k in above))
+        markers += [k for k, there in zip(above, found, strict=True) if there]
+    return markers
+
+
+async def delete_markers_first(store: Store, keys: list[str], markers: list[str]) -> None:
+    """Delete ``markers`` (their checkpoints stop being committed), then the rest of ``keys``."""
+    if markers:
+        await store.delete_many(markers)
+    doomed = set(markers)
+    await store.delete_many([k for k in keys if k not in doomed])
+
+
+def prune_local(source: StorageURI, keys: list[str]) -> None:
+    """On the local store: remove the folders that deleting ``keys`` left empty, up to ``source``'s own."""
+    if source.backend != "local":
+        return
+    top = "/" + source.key
+    folders = {os.path.dirname("/" + k) for k in keys}
+    for folder in sorted(folders, key=len, reverse=True):
+        while folder.startswith(top) and len(folder) >= len(top):
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
+            folder = os.path.dirname(folder)
+
+
+async def remove_async(uri: str | StorageURI, *, recursive: bool = False, filters: Filters = (),
+                       dry_run: bool = False, config: TransferConfig | None = None) -> list[str]:
+    """Remove the object ``uri`` names, or (``recursive``, or a wildcard) what the selection takes below it; where
+    each removed object was (``at``; with ``dry_run``, would be). The commit marker of a checkpoint that loses any file
+    goes first."""
+    source, selection = source_of(uri, filters)
+    config = config or TransferConfig.from_env()
+    async with store_for(source, config) as store:
+        listed, chosen = await chosen_below(store, source, selection, recursive=recursive, what="remove")
+        markers = await markers_of(store, source, listed, chosen)
+        keys = [*markers, *(f.key for f in chosen if f.key not in markers)]
+        if not dry_run:
+            await delete_markers_first(store, keys, markers)
+            prune_local(source, keys)
+        return [at(source, k) for k in keys]
+
+
+async def cat_async(uri: str | StorageURI, write: Callable[[memoryview], object], *,
+                    config: TransferConfig | None = None) -> int:
+    """Pass the object's bytes to ``write`` in order (parts read ahead in parallel, verified against its digests:
+    a mismatch raises IntegrityError after the last part was read, before it is written); its size."""
+    source = target_of(uri)
+    config = config or TransferConfig.from_env()
+    async with store_for(source, config) as store:
+        meta = (await select(store, source, Selection(), recursive=False))[0].meta
+        reader = StreamReader(store, meta, config)
+        try:
+            for index in range(reader.count):
+                await off_loop(write, await reader.part(index, reader.count - index))
+        finally:
+            await reader.close()
+        return meta.size
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Objects and bytes below one folder (``name``: its path relative to the listed one; "." for the objects
+    directly in it)."""
+
+    name: str
+    objects: int
+    bytes: int
+
+
+async def disk_usage_async(uri: str | StorageURI, *, filters: Filters = (),
+                           config: TransferConfig | None = None) -> list[Usage]:
+    """Sizes below ``uri`` per sub-folder (sorted by name), then the total (``name`` ""), as ``du -d 1``."""
+    source, selection = source_of(uri, filters)
+    async with store_for(source, config or TransferConfig.from_env()) as store:
+        chosen = await select(store, source, selection)
+    groups: dict[str, list[int]] = {}
+    for f in chosen:
+        name = f.rel.split("/", 1)[0] if "/" in f.rel else "."
+        group = groups.setdefault(name, [0, 0])
+        group[0] += 1
+        group[1] += f.meta.size
+    rows = [Usage(name, n, size) for name, (n, size) in sorted(groups.items())]
+    return [*rows, Usage("", sum(r.objects for r in rows), sum(r.bytes for r in rows))]
+
+
+async def list_async(uri: str | StorageURI, *, recursive: bool = False, filters: Filters = (),
+                     config: TransferConfig | None = None) -> tuple[list[ObjectMeta], list[str]]:
+    """(objects, sub-folder keys) at ``uri``: one level, as ``ls``; every object below with ``recursive`` or a
+    wildcard (no folders then); the object itself when ``uri`` names one."""
+    source, selection = source_of(uri, filters)
+    async with store_for(source, config or TransferConfig.from_env()) as store:
+        if recursive or selection.pattern is not None:
+            return [f.meta for f in await select(store, source, selection)], []
+        objects, folders = await store.list_dir(source.key)
+        if not objects and not folders and source.key:
+            objects = [f.meta for f in await select(store, source, selection, recursive=False)]
+        return [m for m in objects if selection.takes(posixpath.basename(m.key))], folders
+
+
+def remove(uri: str | StorageURI, *, recursive: bool = False, filters: Filters = (), dry_run: bool = False,
+           config: TransferConfig | None = None) -> list[str]:
+    """Sync twin of ``remove_async``."""
+    return BackgroundLoop.get().run(remove_async(uri, recursive=recursive, filters=filters, dry_run=dry_run,
+                                                 config=config))
+
+
+def cat(uri: str | StorageURI, write: Callable[[memoryview], object], *, config: TransferConfig | None = None) -> int:
+    """Sync twin of ``cat_async``."""
+    return BackgroundLoop.get().run(cat_async(uri, write, config=config))
+
+
+def disk_usage(uri: str | StorageURI, *, filters: Filters = (), config: TransferConfig | None = None) -> list[Usage]:
+    """Sync twin of ``disk_usage_async``."""
+    return BackgroundLoop.get().run(disk_usage_async(uri, filters=filters, config=config))
+
+
+def list_objects(uri: str | StorageURI, *, recursive: bool = False, filters: Filters = (),
+                 config: TransferConfig | None = None) -> tuple[list[ObjectMeta], list[str]]:
+    """Sync twin of ``list_async``."""
+    return BackgroundLoop.get().run(list_async(uri, recursive=recursive, filters=filters, config=config))
+
+
+__all__ = ["Listed", "Usage", "cat", "cat_async", "disk_usage", "disk_usage_async", "list_async", "list_objects",
+           "remove", "remove_async"]
