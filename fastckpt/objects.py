@@ -1,17 +1,15 @@
-"""Commands on stored objects as s5cmd and ``aws s3`` have them: list, remove, print, sum sizes (``mirror``: move,
-sync). Each takes wildcards and filters (``engine.select``) and keeps checkpoints whole: a commit marker is the first
-object removed and the last one written, so a checkpoint never looks committed while it is half there."""
+"""Commands on stored objects as s5cmd and ``aws s3`` have them: list, print, sum sizes (``removal``: rm; ``mirror``:
+mv, sync), and what they share: the objects a URI with wildcards and filters (``engine.select``) takes."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import os
 import posixpath
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from ._loop import BackgroundLoop
-from .api import checkpoints_in
 from .checkpoint.catalog import target_of
 from .checkpoint.manifest import MARKER, META_DIR, marker_key
 from .config import TransferConfig
@@ -20,6 +18,7 @@ from .engine.select import Selection, has_below, split_wildcard
 from .engine.stream import StreamReader
 from .errors import ObjectNotFoundError
 from .stores.base import ObjectMeta, Store
+from .stores.retry import retrying
 from .threads import off_loop
 from .uri import StorageURI
 
@@ -92,27 +91,12 @@ async def chosen_below(store: Store, source: StorageURI, selection: Selection, *
     return listed, chosen
 
 
-async def markers_of(store: Store, source: StorageURI, listed: list[Listed], chosen: list[Listed]) -> list[str]:
-    """Commit markers of the checkpoints that removing ``chosen`` (of the full listing ``listed``) would break: those
-    found in the listing with a chosen object below them, and the one of a checkpoint that holds ``source`` itself."""
-    markers = []
-    for root in checkpoints_in([f.rel for f in listed]):
-        if any(not root or f.rel == root or f.rel.startswith(root + "/") for f in chosen):
-            markers.append(source.join(marker_key(root)))
-    if chosen and source.key:
-        parts = source.key.split("/")
-        above = [marker_key("/".join(parts[:n])) for n in range(len(parts) - 1, -1, -1)]
-        found = await asyncio.gather(*(store.exists(k) for k in above))
-        markers += [k for k, there in zip(above, found, strict=True) if there]
-    return markers
-
-
-async def delete_markers_first(store: Store, keys: list[str], markers: list[str]) -> None:
-    """Delete ``markers`` (their checkpoints stop being committed), then the rest of ``keys``."""
-    if markers:
-        await store.delete_many(markers)
-    doomed = set(markers)
-    await store.delete_many([k for k in keys if k not in doomed])
+@contextlib.asynccontextmanager
+async def opened(uri: StorageURI, config: TransferConfig | None) -> AsyncIterator[Store]:
+    """The store of ``uri`` (kept open on the background loop), its requests retried as ``config`` says."""
+    config = config or TransferConfig.from_env()
+    async with store_for(uri, config) as store:
+        yield retrying(store, config)
 
 
 def prune_local(source: StorageURI, keys: list[str]) -> None:
@@ -130,30 +114,13 @@ def prune_local(source: StorageURI, keys: list[str]) -> None:
             folder = os.path.dirname(folder)
 
 
-async def remove_async(uri: str | StorageURI, *, recursive: bool = False, filters: Filters = (),
-                       dry_run: bool = False, config: TransferConfig | None = None) -> list[str]:
-    """Remove the object ``uri`` names, or (``recursive``, or a wildcard) what the selection takes below it; where
-    each removed object was (``at``; with ``dry_run``, would be). The commit marker of a checkpoint that loses any file
-    goes first."""
-    source, selection = source_of(uri, filters)
-    config = config or TransferConfig.from_env()
-    async with store_for(source, config) as store:
-        listed, chosen = await chosen_below(store, source, selection, recursive=recursive, what="remove")
-        markers = await markers_of(store, source, listed, chosen)
-        keys = [*markers, *(f.key for f in chosen if f.key not in markers)]
-        if not dry_run:
-            await delete_markers_first(store, keys, markers)
-            prune_local(source, keys)
-        return [at(source, k) for k in keys]
-
-
 async def cat_async(uri: str | StorageURI, write: Callable[[memoryview], object], *,
                     config: TransferConfig | None = None) -> int:
     """Pass the object's bytes to ``write`` in order (parts read ahead in parallel, verified against its digests:
     a mismatch raises IntegrityError after the last part was read, before it is written); its size."""
     source = target_of(uri)
     config = config or TransferConfig.from_env()
-    async with store_for(source, config) as store:
+    async with opened(source, config) as store:
         meta = (await select(store, source, Selection(), recursive=False))[0].meta
         reader = StreamReader(store, meta, config)
         try:
@@ -178,7 +145,7 @@ async def disk_usage_async(uri: str | StorageURI, *, filters: Filters = (),
                            config: TransferConfig | None = None) -> list[Usage]:
     """Sizes below ``uri`` per sub-folder (sorted by name), then the total (``name`` ""), as ``du -d 1``."""
     source, selection = source_of(uri, filters)
-    async with store_for(source, config or TransferConfig.from_env()) as store:
+    async with opened(source, config) as store:
         chosen = await select(store, source, selection)
     groups: dict[str, list[int]] = {}
     for f in chosen:
@@ -195,20 +162,13 @@ async def list_async(uri: str | StorageURI, *, recursive: bool = False, filters:
     """(objects, sub-folder keys) at ``uri``: one level, as ``ls``; every object below with ``recursive`` or a
     wildcard (no folders then); the object itself when ``uri`` names one."""
     source, selection = source_of(uri, filters)
-    async with store_for(source, config or TransferConfig.from_env()) as store:
+    async with opened(source, config) as store:
         if recursive or selection.pattern is not None:
             return [f.meta for f in await select(store, source, selection)], []
         objects, folders = await store.list_dir(source.key)
         if not objects and not folders and source.key:
             objects = [f.meta for f in await select(store, source, selection, recursive=False)]
         return [m for m in objects if selection.takes(posixpath.basename(m.key))], folders
-
-
-def remove(uri: str | StorageURI, *, recursive: bool = False, filters: Filters = (), dry_run: bool = False,
-           config: TransferConfig | None = None) -> list[str]:
-    """Sync twin of ``remove_async``."""
-    return BackgroundLoop.get().run(remove_async(uri, recursive=recursive, filters=filters, dry_run=dry_run,
-                                                 config=config))
 
 
 def cat(uri: str | StorageURI, write: Callable[[memoryview], object], *, config: TransferConfig | None = None) -> int:
@@ -227,5 +187,4 @@ def list_objects(uri: str | StorageURI, *, recursive: bool = False, filters: Fil
     return BackgroundLoop.get().run(list_async(uri, recursive=recursive, filters=filters, config=config))
 
 
-__all__ = ["Listed", "Usage", "cat", "cat_async", "disk_usage", "disk_usage_async", "list_async", "list_objects",
-           "remove", "remove_async"]
+__all__ = ["Listed", "Usage", "cat", "cat_async", "disk_usage", "disk_usage_async", "list_async", "list_objects"]

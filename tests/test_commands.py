@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
 import fastckpt
-from fastckpt import mirror, objects
+from fastckpt import folder_sync, mirror, objects, removal
 from fastckpt.checkpoint import CheckpointWriter
 from fastckpt.engine.layout import Layout
 from fastckpt.errors import IntegrityError, ObjectNotFoundError
 from fastckpt.integrity import FileDigest
 from fastckpt.stores import open_store
 from fastckpt.uri import parse_uri
+from harness.proxy import FaultProxy
 
 from .conftest import small_config
 
@@ -105,23 +107,24 @@ async def test_wildcards_and_filters(store_uri: str, tmp_path: Path) -> None:
 async def test_rm_takes_the_marker_first(store_uri: str, tmp_path: Path) -> None:
     cfg = small_config()
     for step in (1, 2):
-        await commit(at(store_uri, f"run/step-{step}"), {"w.bin": b"w" * 100, "opt.bin": b"o" * 50})
+        await commit(at(store_uri, f"run/step-{step}"), {"w.bin": b"w" * 100, "opt.bin": b"o" * 50,
+                                                         "-early.bin": b"e"})  # listed before the marker
     await fastckpt.upload_async(tree(tmp_path, {"x.txt": b"x"}) / "x.txt", at(store_uri, "run/x.txt"), config=cfg)
     with pytest.raises(IsADirectoryError, match="--recursive"):
-        await objects.remove_async(at(store_uri, "run/step-1"), config=cfg)
+        await removal.remove_async(at(store_uri, "run/step-1"), config=cfg)
     with pytest.raises(ObjectNotFoundError, match="no such object"):
-        await objects.remove_async(at(store_uri, "run/nothing"), config=cfg)
-    dry = await objects.remove_async(at(store_uri, "run/step-1"), recursive=True, dry_run=True, config=cfg)
+        await removal.remove_async(at(store_uri, "run/nothing"), config=cfg)
+    dry = await removal.remove_async(at(store_uri, "run/step-1"), recursive=True, dry_run=True, config=cfg)
     assert dry[0].endswith("step-1/.fastckpt/COMMITTED") and len(dry) == len(await keys(at(store_uri, "run/step-1")))
     assert len(await keys(store_uri)) == 1 + 2 * len(dry)  # nothing removed
 
     # one file of a committed checkpoint, by a wildcard: its marker goes too (it would be committed and broken)
-    gone = await objects.remove_async(at(store_uri, "run/step-2/opt.*"), config=cfg)
+    gone = await removal.remove_async(at(store_uri, "run/step-2/opt.*"), config=cfg)
     assert gone[0].endswith("step-2/.fastckpt/COMMITTED") and gone[1].endswith("step-2/opt.bin")
     assert [c.state for c in await fastckpt.list_checkpoints_async(at(store_uri, "run"), config=cfg)] == [
         "committed", "uncommitted"]
-    await objects.remove_async(at(store_uri, "run/x.txt"), config=cfg)
-    await objects.remove_async(at(store_uri, "run"), recursive=True, config=cfg)
+    await removal.remove_async(at(store_uri, "run/x.txt"), config=cfg)
+    await removal.remove_async(at(store_uri, "run"), recursive=True, config=cfg)
     assert await keys(store_uri) == []
     if parse_uri(store_uri).backend == "local":
         assert not os.path.exists("/" + parse_uri(at(store_uri, "run")).key)  # no empty folders left behind
@@ -156,7 +159,7 @@ async def test_mv_within_a_store_to_and_from_local_and_cp_across_stores(store_ur
 async def test_sync_sends_what_differs_by_digest(store_uri: str, tmp_path: Path) -> None:
     cfg = small_config()
     src = tree(tmp_path / "src", {f"f{i}.bin": os.urandom(1000 + i) for i in range(6)})
-    first = await mirror.sync_async(str(src), at(store_uri, "m"), config=cfg)
+    first = await folder_sync.sync_async(str(src), at(store_uri, "m"), config=cfg)
     assert (len(first.sent), first.unchanged) == (6, 0)
 
     (src / "f0.bin").write_bytes((src / "f0.bin").read_bytes())  # rewritten, same bytes: newer, not sent
@@ -166,18 +169,18 @@ async def test_sync_sends_what_differs_by_digest(store_uri: str, tmp_path: Path)
     os.utime(src / "f1.bin", (1, 1))  # same size, older than the copy: size and time would miss it
     (src / "f2.bin").unlink()
     (src / "new.bin").write_bytes(b"n")
-    dry = await mirror.sync_async(str(src), at(store_uri, "m"), delete=True, dry_run=True, config=cfg)
-    again = await mirror.sync_async(str(src), at(store_uri, "m"), delete=True, config=cfg)
+    dry = await folder_sync.sync_async(str(src), at(store_uri, "m"), delete=True, dry_run=True, config=cfg)
+    again = await folder_sync.sync_async(str(src), at(store_uri, "m"), delete=True, config=cfg)
     assert sorted(os.path.basename(p) for p, _ in again.sent) == ["f1.bin", "new.bin"] == \
         sorted(os.path.basename(p) for p, _ in dry.sent)
     assert again.unchanged == 4 and [d.rsplit("/", 1)[-1] for d in again.deleted] == ["f2.bin"]
     assert await keys(at(store_uri, "m")) == sorted(p.name for p in src.iterdir())
 
     out = tmp_path / "out"
-    assert len((await mirror.sync_async(at(store_uri, "m"), str(out), config=cfg)).sent) == 6
+    assert len((await folder_sync.sync_async(at(store_uri, "m"), str(out), config=cfg)).sent) == 6
     (out / "f3.bin").write_bytes(b"\0" * (out / "f3.bin").stat().st_size)  # changed here, newer: sent back
     (out / "extra").write_bytes(b"e")
-    back = await mirror.sync_async(at(store_uri, "m"), str(out), delete=True, config=cfg)
+    back = await folder_sync.sync_async(at(store_uri, "m"), str(out), delete=True, config=cfg)
     assert [os.path.basename(p) for _, p in back.sent] == ["f3.bin"] and back.unchanged == 5
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in src.iterdir())
     assert all((out / p.name).read_bytes() == p.read_bytes() for p in src.iterdir())
@@ -190,7 +193,7 @@ async def test_sync_without_digests_goes_by_size_and_time(store_uri: str, tmp_pa
         await s.put(uri.join("b"), b"12345")
     out = tree(tmp_path / "out", {"a": b"abcde", "b": b"abcde"})
     os.utime(out / "a", (1, 1))  # older than the object: taken as stale
-    done = await mirror.sync_async(at(store_uri, "plain"), str(out), config=small_config())
+    done = await folder_sync.sync_async(at(store_uri, "plain"), str(out), config=small_config())
     assert [os.path.basename(p) for _, p in done.sent] == ["a"] and (out / "a").read_bytes() == b"12345"
 
 
@@ -222,3 +225,42 @@ async def test_cat_of_a_changed_object_fails(tmp_path: Path) -> None:
     flip(tmp_path / "s" / "o", 100)
     with pytest.raises(IntegrityError):
         await objects.cat_async(f"{base}/o", lambda v: None, config=small_config())
+
+
+async def test_a_later_sync_asks_nothing_of_what_did_not_change(moto_server, s3_uri: str, tmp_path: Path) -> None:
+    """What a sync learnt spares the next one its HEADs: unchanged files cost no request, a file rewritten with the
+    same bytes only a local read; an object replaced behind its back (another ETag) is asked about and sent again."""
+    cfg = small_config()
+    src = tree(tmp_path / "src", {f"f{i}": os.urandom(500) for i in range(8)})
+    with FaultProxy(urlsplit(moto_server.endpoint).port) as proxy:
+        proxy.throttle(1000)  # records each request's first line; throttles none
+        uri = at(s3_uri.replace(moto_server.endpoint, proxy.url), "s")
+        assert len((await folder_sync.sync_async(str(src), uri, config=cfg)).sent) == 8
+
+        def heads_during(seen: int) -> int:
+            """HEADs of the objects below the prefix (not the bucket's or the prefix's own, which opening asks)."""
+            return sum(line.startswith("HEAD ") and "/s/" in line for line in proxy.requests[seen:])
+
+        seen = len(proxy.requests)
+        again = await folder_sync.sync_async(str(src), uri, config=cfg)
+        assert (again.sent, again.unchanged, heads_during(seen)) == ([], 8, 0), proxy.requests[seen:]
+
+        (src / "f0").write_bytes((src / "f0").read_bytes())  # a new local version, the same bytes
+        other = tree(tmp_path / "other", {"f1": os.urandom(500)})
+        await fastckpt.upload_async(other / "f1", at(uri, "f1"), config=cfg)  # the object replaced elsewhere
+        seen = len(proxy.requests)
+        third = await folder_sync.sync_async(str(src), uri, config=cfg)
+        assert [os.path.basename(p) for p, _ in third.sent] == ["f1"] and third.unchanged == 7
+        assert heads_during(seen) == 2  # the replaced object's, and the one that learns what was sent
+    out = tmp_path / "back"
+    await fastckpt.download_async(at(s3_uri, "s"), out, config=cfg)
+    assert all((out / p.name).read_bytes() == p.read_bytes() for p in src.iterdir())
+
+
+def test_a_streamed_removal_waits_for_the_place_of_every_marker() -> None:
+    """An object listed before the place where a commit marker of one of its folders would be listed waits for it."""
+    src = parse_uri("s3://b/run")
+    assert removal.gate(src, "run/ck/-early.bin") == "run/ck/.fastckpt/COMMITTED" > "run/ck/-early.bin"
+    assert removal.gate(src, "run/ck/a.bin") == "run/ck/.fastckpt/COMMITTED" < "run/ck/a.bin"
+    assert removal.gate(src, "run/-x/a") == "run/.fastckpt/COMMITTED"  # the outer folder's marker comes later
+    assert removal.gate(src, "run/top.bin") == "run/.fastckpt/COMMITTED"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -123,6 +124,23 @@ async def test_delete(store) -> None:
     await s.put(uri.join("m/2"), b"2")
     await s.delete_many([uri.join("m/1"), uri.join("m/2")])
     assert [m async for m in s.list(uri.join("m"))] == []
+
+
+async def test_delete_listed(store) -> None:
+    """What a listing reported is deleted, with what the backend keeps beside it (S3: a multipart object's digest
+    record; no orphan left), whatever the key's characters."""
+    s, uri = store
+    part = part_size_of(s)
+    for name in ("whole", "a b & <c>.bin", "ünï/côdé"):
+        await s.put(uri.join(f"d/{name}"), b"x" * 10)
+    mpu = await s.create_multipart(uri.join("d/multi"), part)
+    parts = [await mpu.put_part(i, os.urandom(part)) for i in range(2)]
+    await mpu.complete(parts, {"fastckpt-xxh3": "0" * 32, "fastckpt-chunk": str(part)})
+    listed = [m async for m in s.list(uri.join("d"))]
+    assert len(listed) == 4
+    await s.delete_listed(listed)
+    assert [m async for m in s.list(uri.join("d"))] == []
+    assert await s.list_orphans(uri.key, older_than=time.time() + 60) == []
 
 
 async def test_head_and_get_missing(store) -> None:

@@ -18,8 +18,10 @@ from ..engine.progress import ProgressCallback
 from ..engine.select import Selection, split_wildcard
 from ..engine.transfer import Transfer
 from ..errors import FastckptError
-from ..mirror import Moved, copy, is_local, move, sync
-from ..objects import at, cat, disk_usage, list_objects, remove
+from ..folder_sync import sync
+from ..mirror import Moved, copy, is_local, move
+from ..objects import at, cat, disk_usage, list_objects
+from ..removal import remove
 from ..stores import open_store
 from ..uri import names_folder, parse_uri
 

@@ -317,6 +317,11 @@ class Store(abc.ABC):
         for key in keys:
             await self.delete(key)
 
+    async def delete_listed(self, metas: list[ObjectMeta]) -> None:
+        """Remove the objects a listing (or ``head``) reported; what it said of them may spare a backend work (S3: the
+        records of objects no multipart upload wrote). By default ``delete_many`` of their keys."""
+        await self.delete_many([m.key for m in metas])
+
     async def copy(self, key: str, source: CopySource, *, if_absent: bool = False,
                    metadata: dict[str, str] | None = None) -> None:
         """Write ``key`` whole as a copy the store makes of ``source`` (its whole object), with ``metadata``; errors

@@ -248,6 +248,9 @@ class RetryingStore(Store):
     async def delete_many(self, keys: list[str]) -> None:
         await self.retry(f"delete of {len(keys)} objects", lambda: self.inner.delete_many(keys))
 
+    async def delete_listed(self, metas: list[ObjectMeta]) -> None:
+        await self.retry(f"delete of {len(metas)} objects", lambda: self.inner.delete_listed(metas))
+
     async def copy(self, key: str, source: CopySource, *, if_absent: bool = False,
                    metadata: dict[str, str] | None = None) -> None:
         await self.retry(f"copy of {source.key} to {key}", lambda: self.inner.copy(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+import re
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
@@ -51,6 +53,16 @@ def answer_fields(body: bytes) -> dict[str, str]:
         return {}
 
 
+_TRUNCATED = re.compile(rb"<IsTruncated>\s*true\s*</IsTruncated>")
+_NEXT = re.compile(rb"<NextContinuationToken>([^<]*)</NextContinuationToken>")
+
+
+def continuation(body: bytes) -> str | None:
+    """The continuation token of a ListObjectsV2 answer, read without parsing its keys; None on its last page."""
+    found = _NEXT.search(body) if _TRUNCATED.search(body) else None
+    return html.unescape(found[1].decode()) if found else None
+
+
 def listing(body: bytes, where: str, shown: str) -> ListPage:
     """One ListObjectsV2 answer; keys are decoded only where the answer says they are URL-encoded, as botocore
     does: some servers ignore ``encoding-type=url``."""
@@ -81,6 +93,27 @@ def complete_body(parts: list[PartInfo]) -> bytes:
     listed = "".join(f"<Part><PartNumber>{p.index + 1}</PartNumber><ETag>{escape(p.token)}</ETag></Part>"
                      for p in sorted(parts, key=lambda p: p.index))
     return f'<CompleteMultipartUpload xmlns="{XMLNS}">{listed}</CompleteMultipartUpload>'.encode()
+
+
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def delete_body(keys: list[str]) -> bytes | None:
+    """The DeleteObjects document for ``keys`` (quiet: the answer names only failures); None when a key holds a
+    character XML 1.0 cannot carry."""
+    if any(_NOT_XML.search(k) for k in keys):
+        return None
+    listed = "".join(f"<Object><Key>{escape(k)}</Key></Object>" for k in keys)
+    return f'<Delete xmlns="{XMLNS}"><Quiet>true</Quiet>{listed}</Delete>'.encode()
+
+
+def delete_failures(body: bytes) -> list[dict[str, str]]:
+    """The ``<Error>`` entries (Key, Code, Message) of a DeleteObjects answer."""
+    try:
+        root = ElementTree.fromstring(body)
+    except ElementTree.ParseError as exc:
+        raise StoreError(f"unreadable DeleteObjects answer ({exc!r})", backend="s3") from exc
+    return [fields(e) for e in root if e.tag.rpartition("}")[2] == "Error"]
 
 
 def metadata_headers(metadata: Mapping[str, str] | None) -> dict[str, str] | None:

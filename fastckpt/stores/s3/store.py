@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import contextlib
+import hashlib
 import posixpath
 import secrets
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote
 
 from ...errors import BucketNotFoundError, ObjectNotFoundError, SourceChangedError, StoreError
+from ...tasks import gather_bounded
 from ...transport import Buffer, BufferReceiver, Receiver
 from ..base import CopySource, ListPage, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, ReceivingStore, in_prefix
 from ..conditional import IfAbsentGuard, probe
 from ..datapath import ranged
-from .answers import answer_fields, listing, meta_of, metadata_headers
+from .answers import (
+    answer_fields,
+    continuation,
+    delete_body,
+    delete_failures,
+    listing,
+    meta_of,
+    metadata_headers,
+)
 from .client import S3Client
 from .errors import NO_CONDITIONAL, NoSuchUpload
 from .options import S3Options
@@ -22,6 +35,7 @@ from .upload import S3Upload
 
 MiB = 1 << 20
 DELETE_BATCH = 1000
+DELETE_BATCHES = 16
 """Keys per DeleteObjects request (the S3 maximum)."""
 POOL_HEADROOM = 16
 """Connections beyond ``max_in_flight`` for heads, lists, completes and aborts."""
@@ -102,6 +116,10 @@ class S3Store(DigestRecords, ReceivingStore):
     async def list_page(self, prefix: str, delimiter: str | None = None, token: str | None = None) -> ListPage:
         """One ListObjectsV2 request on the data path; keys travel URL-encoded (``encoding-type=url``, as botocore
         asks for them: XML 1.0 cannot carry every character a key may hold)."""
+        body = await self._list_body(prefix, delimiter, token)
+        return listing(body, self.client.errors.where(prefix), self.options.shown)
+
+    async def _list_body(self, prefix: str, delimiter: str | None, token: str | None) -> bytes:
         query = {"list-type": "2", "max-keys": str(self.page_size), "encoding-type": "url"}
         if prefix:
             query["prefix"] = prefix
@@ -109,8 +127,26 @@ class S3Store(DigestRecords, ReceivingStore):
             query["delimiter"] = delimiter
         if token:
             query["continuation-token"] = token
-        resp = await self.client.send("GET", "", query, {})
-        return listing(resp.body, self.client.errors.where(prefix), self.options.shown)
+        return (await self.client.send("GET", "", query, {})).body
+
+    async def _pages(self, prefix: str, delimiter: str | None = None) -> AsyncIterator[ListPage]:
+        """The pages of a listing, each asked for as soon as the answer before it names it (its continuation token is
+        read ahead of its keys), so that the server works on the next page while this one is parsed and used."""
+        ahead: asyncio.Future[bytes] | None = asyncio.ensure_future(self._list_body(prefix, delimiter, None))
+        try:
+            while ahead is not None:
+                body = await ahead
+                token = continuation(body)
+                ahead = asyncio.ensure_future(self._list_body(prefix, delimiter, token)) if token else None
+                page = listing(body, self.client.errors.where(prefix), self.options.shown)
+                if page.token != token:
+                    raise StoreError(f"{self.client.errors.where(prefix)}: a listing page from {self.options.shown} "
+                                     f"names its next page two ways ({token!r}, {page.token!r})", backend="s3")
+                yield page
+        finally:
+            if ahead is not None:
+                ahead.cancel()
+                await asyncio.gather(ahead, return_exceptions=True)
 
     # ----------------------------------------------------------------------------- writes
 
@@ -199,15 +235,31 @@ class S3Store(DigestRecords, ReceivingStore):
         await self.delete_many([key])
 
     async def delete_many(self, keys: list[str]) -> None:
-        """DeleteObjects in batches of 1000, each object with its record; the first per-key error is raised
-        after all batches."""
-        doomed = [*keys, *(record_of(k) for k in keys if not self.is_hidden(k))]
-        failures: list[dict[str, Any]] = []
-        for i in range(0, len(doomed), DELETE_BATCH):
-            batch = doomed[i : i + DELETE_BATCH]
-            resp = await self.client.call("delete_objects", batch[0], Delete={
-                "Objects": [{"Key": k} for k in batch], "Quiet": True})
-            failures += resp.get("Errors", [])
+        """DeleteObjects, each object with its record (see ``delete_listed``)."""
+        await self._delete([*keys, *(record_of(k) for k in keys if not self.is_hidden(k))])
+
+    async def delete_listed(self, metas: list[ObjectMeta]) -> None:
+        """DeleteObjects; the record only of an object that a multipart upload wrote (its ETag ends in '-N', or is
+        unknown): no other has one (a stale record of an earlier version is an orphan ``gc`` removes)."""
+        multipart = [m.key for m in metas if not m.etag or "-" in m.etag]
+        await self._delete([*(m.key for m in metas), *(record_of(k) for k in multipart if not self.is_hidden(k))])
+
+    async def _delete(self, doomed: list[str]) -> None:
+        """DeleteObjects on the data path in batches of 1000 (``DELETE_BATCHES`` at once); the first per-key error
+        is raised after all batches."""
+
+        async def batch(i: int) -> list[dict[str, str]]:
+            chunk = doomed[i : i + DELETE_BATCH]
+            body = delete_body(chunk)
+            if body is None:  # a key XML cannot carry: one DELETE each
+                await gather_bounded([self.client.send("DELETE", k, {}, {}) for k in chunk], DELETE_BATCHES)
+                return []
+            headers = {"content-md5": base64.b64encode(hashlib.md5(body).digest()).decode(),
+                       "content-type": "application/xml"}
+            return delete_failures((await self.client.send("POST", "", {"delete": ""}, headers, body=body)).body)
+
+        answers = await gather_bounded([batch(i) for i in range(0, len(doomed), DELETE_BATCH)], DELETE_BATCHES)
+        failures = [f for errors in answers for f in errors]
         if failures:
             first = failures[0]
             code = first.get("Code", "")
