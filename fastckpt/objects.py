@@ -166,7 +166,7 @@ async def list_async(uri: str | StorageURI, *, recursive: bool = False, filters:
         if recursive or selection.pattern is not None:
             return [f.meta for f in await select(store, source, selection)], []
         objects, folders = await store.list_dir(source.key)
-        if not objects and not folders and source.key:
+        if not objects and not folders and source.key and not _empty_folder(source):
             objects = [f.meta for f in await select(store, source, selection, recursive=False)]
         return [m for m in objects if selection.takes(posixpath.basename(m.key))], folders
 
@@ -179,6 +179,11 @@ def cat(uri: str | StorageURI, write: Callable[[memoryview], object], *, config:
 def disk_usage(uri: str | StorageURI, *, filters: Filters = (), config: TransferConfig | None = None) -> list[Usage]:
     """Sync twin of ``disk_usage_async``."""
     return BackgroundLoop.get().run(disk_usage_async(uri, filters=filters, config=config))
+
+
+def _empty_folder(source: StorageURI) -> bool:
+    """Whether ``source`` is an empty folder of the local store (object stores have no empty folders)."""
+    return source.backend == "local" and os.path.isdir("/" + source.key)
 
 
 def list_objects(uri: str | StorageURI, *, recursive: bool = False, filters: Filters = (),

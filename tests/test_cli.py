@@ -27,6 +27,8 @@ def test_cp_ls_verify_roundtrip(tmp_path) -> None:
     assert [o["size"] for o in ls["objects"]] == [3000] and ls["folders"] == [f"{tmp_path}/store/ckpt/sub/"]
     ls = run("ls", "-r", store, "--json")
     assert sorted(o["size"] for o in json.loads(ls.stdout)["objects"]) == [5, 3000]
+    (tmp_path / "empty").mkdir()
+    assert (run("ls", str(tmp_path / "empty")).returncode, run("ls", str(tmp_path / "empty")).stdout) == (0, "")
     ver = run("verify", store)
     assert ver.returncode == 0 and "verified" in ver.stdout
     down = run("cp", "--durable", store, str(tmp_path / "back"))
