@@ -47,8 +47,9 @@ def markers_last(pairs: list[tuple[str, str]], rel_of: int) -> tuple[list[tuple[
 
 @dataclass
 class Moved:
-    """What ``move`` or ``sync`` did (with ``dry_run``: would do): ``(from, to)`` of each object or file sent,
-    how many were already the same at the destination, and what was deleted there (``sync(delete=True)``)."""
+    """What ``copy``, ``move`` or ``folder_sync.sync`` did (with ``dry_run``: would do): ``(from, to)`` of each object
+    or file sent, its bytes, how many were already the same at the destination, and what was deleted there
+    (``sync(delete=True)``)."""
 
     sent: list[tuple[str, str]] = field(default_factory=list)
     bytes: int = 0

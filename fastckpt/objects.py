@@ -1,5 +1,6 @@
 """Commands on stored objects as s5cmd and ``aws s3`` have them: list, print, sum sizes (``removal``: rm; ``mirror``:
-mv, sync), and what they share: the objects a URI with wildcards and filters (``engine.select``) takes."""
+cp between stores, mv; ``folder_sync``: sync), and what they share: the objects a URI with wildcards and filters
+(``engine.select``) takes."""
 
 from __future__ import annotations
 
@@ -59,12 +60,19 @@ def source_of(uri: str | StorageURI, filters: Filters) -> tuple[StorageURI, Sele
     return target_of(text), Selection.of(pattern, filters)
 
 
+async def stream(store: Store, source: StorageURI, selection: Selection) -> AsyncIterator[Listed]:
+    """The objects at or below ``source`` that ``selection`` takes, as the listing yields them."""
+    async for meta in store.list(source.key):
+        found = Listed(meta.key, relative(source.key, meta.key), meta)
+        if found.taken_by(selection):
+            yield found
+
+
 async def select(store: Store, source: StorageURI, selection: Selection, *, recursive: bool = True) -> list[Listed]:
     """The objects at or below ``source`` that ``selection`` takes. Without ``recursive`` (and no wildcard), only
     the object ``source`` names: IsADirectoryError when it is a folder, ObjectNotFoundError when nothing is there."""
     if recursive or selection.pattern is not None:
-        found = [Listed(m.key, relative(source.key, m.key), m) async for m in store.list(source.key)]
-        return [f for f in found if f.taken_by(selection)]
+        return [f async for f in stream(store, source, selection)]
     try:
         meta = await store.head(source.key)
     except (ObjectNotFoundError, IsADirectoryError):
@@ -157,6 +165,11 @@ async def disk_usage_async(uri: str | StorageURI, *, filters: Filters = (),
     return [*rows, Usage("", sum(r.objects for r in rows), sum(r.bytes for r in rows))]
 
 
+def _empty_folder(source: StorageURI) -> bool:
+    """Whether ``source`` is an empty folder of the local store (object stores have no empty folders)."""
+    return source.backend == "local" and os.path.isdir("/" + source.key)
+
+
 async def list_async(uri: str | StorageURI, *, recursive: bool = False, filters: Filters = (),
                      config: TransferConfig | None = None) -> tuple[list[ObjectMeta], list[str]]:
     """(objects, sub-folder keys) at ``uri``: one level, as ``ls``; every object below with ``recursive`` or a
@@ -179,11 +192,6 @@ def cat(uri: str | StorageURI, write: Callable[[memoryview], object], *, config:
 def disk_usage(uri: str | StorageURI, *, filters: Filters = (), config: TransferConfig | None = None) -> list[Usage]:
     """Sync twin of ``disk_usage_async``."""
     return BackgroundLoop.get().run(disk_usage_async(uri, filters=filters, config=config))
-
-
-def _empty_folder(source: StorageURI) -> bool:
-    """Whether ``source`` is an empty folder of the local store (object stores have no empty folders)."""
-    return source.backend == "local" and os.path.isdir("/" + source.key)
 
 
 def list_objects(uri: str | StorageURI, *, recursive: bool = False, filters: Filters = (),

@@ -3,9 +3,10 @@
 For one prefix of one store, each relative name maps to the object's version (ETag) when a HEAD found it holding the
 bytes of recorded digest ``digest``, and the version of the local file (device, inode, size, mtime) that held the same
 bytes. A later sync whose listing shows that ETag and whose local file has that version skips the file with no request
-and no read; one whose local file changed hashes it against ``digest``; any other goes back to a HEAD. Entries are
-only ever taken from a HEAD's answer, whose ETag and digest describe one version of the object. Kept as JSON in the
-state directory (``TransferConfig.state_dir``); a lost or unreadable cache only costs the HEADs.
+and no read; one whose local file changed hashes it against ``digest``; any other goes back to a HEAD. An entry's
+ETag comes from a HEAD's answer (whose ETag and digest describe one version of the object), or is the MD5 of the local
+bytes just sent (what S3 names a whole object of those bytes: only an object holding them shows it). Kept as JSON in
+the state directory (``TransferConfig.state_dir``); a lost or unreadable cache only costs the HEADs.
 """
 
 from __future__ import annotations
