@@ -23,6 +23,7 @@ from .engine.session import FileResult
 from .engine.transfer import Transfer
 from .errors import ObjectNotFoundError
 from .stores.base import ObjectMeta, Store
+from .stores.retry import retrying
 from .tier import Tier, latest_across
 from .uri import StorageURI, join_key, names_folder
 
@@ -51,7 +52,7 @@ async def upload_async(
     selection = Selection.of(pattern, filters)
     config = config or TransferConfig.from_env()
     async with store_for(target, config) as store:
-        pairs = await upload_pairs(store, folder, target, names_folder(dst), selection)
+        pairs = await upload_pairs(retrying(store, config), folder, target, names_folder(dst), selection)
         transfer = Transfer(store, config, progress)
         try:
             bases = {} if base is None else await base_objects(store, target, base, [k for _, k in pairs])

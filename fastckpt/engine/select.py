@@ -112,9 +112,13 @@ class Selection:
 
 
 async def has_below(store: Store, key: str) -> bool:
-    """Whether objects lie below ``key`` (a folder), read from the listing's first answer."""
-    async for meta in store.list(key):
-        if meta.key != key.strip("/"):
+    """Whether objects lie below ``key`` (a folder): one listing request on a paged store."""
+    base = key.strip("/")
+    if store.paged:
+        page = await store.list_page(base + "/" if base else "", "/")  # a backend's hidden keys group into prefixes
+        return any(not store.is_hidden(k) for k in [*(m.key for m in page.objects), *page.prefixes])
+    async for meta in store.list(base):
+        if meta.key != base:
             return True
     return False
 
