@@ -160,6 +160,8 @@ def test_the_verbs_as_an_s5cmd_user_types_them(s3_uri: str, tmp_path) -> None:
     assert run("rm", "-r", at("")).returncode == 0
     assert json.loads(run("ls", "-r", at(""), "--json").stdout)["objects"] == []
 
+    misused = run("cp", at("run/model.bin"), str(tmp_path / "m.bin"), "--base", at("run"))
+    assert misused.returncode == 1 and "--base applies to uploads" in misused.stderr
     usage = run("cp", "only-one-argument")
     assert usage.returncode == 2 and "usage:" in usage.stderr
     helped = run("--help").stdout

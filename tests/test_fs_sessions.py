@@ -36,9 +36,10 @@ def settles_at(count: int) -> int:
 
 
 def use(fs: pafs.FileSystem, base: str) -> None:
-    """Requests of every kind (on S3 the SDK's, which hold the aiohttp session, as well as fastckpt's own)."""
+    """Requests of every kind (on S3 the SDK's, which hold the aiohttp session: metadata that fastckpt does not send
+    as plain headers, here a tab, goes through botocore; as well as fastckpt's own)."""
     assert fs.get_file_info(f"{base}/a").size == 1
-    with fs.open_output_stream(f"{base}/b") as f:
+    with fs.open_output_stream(f"{base}/b", metadata={"note": "a\tb"}) as f:
         f.write(b"y")
     fs.delete_file(f"{base}/b")
 

@@ -60,6 +60,10 @@ def _moved(done: Moved, dry_run: bool) -> Result:
 
 def cmd_cp(args: argparse.Namespace) -> Result:
     config, progress, filters = config_of(args), _progress(args, "cp"), args.filters
+    if args.base is not None and not is_local(args.src):
+        raise ValueError("--base applies to uploads (a local source); this copy's source is a store URI")
+    if args.raw and is_local(args.src):
+        raise ValueError("--raw applies to downloads (a store URI source); this copy's source is a local path")
     if not is_local(args.src) and not is_local(args.dst):
         return _moved(copy(args.src, args.dst, filters=filters, dry_run=args.dry_run, config=config), args.dry_run)
     if args.dry_run:
