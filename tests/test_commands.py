@@ -269,3 +269,19 @@ def test_a_streamed_removal_waits_for_the_place_of_every_marker() -> None:
     assert removal.gate(src, "run/ck/a.bin") == "run/ck/.fastckpt/COMMITTED" < "run/ck/a.bin"
     assert removal.gate(src, "run/-x/a") == "run/.fastckpt/COMMITTED"  # the outer folder's marker comes later
     assert removal.gate(src, "run/top.bin") == "run/.fastckpt/COMMITTED"
+
+
+def test_wildcards_split_from_options_and_the_folder_to_list() -> None:
+    from fastckpt.engine.select import Selection, split_wildcard
+
+    assert split_wildcard("s3://b/ck/*.bin?endpoint_override=http://h:1") == ("s3://b/ck?endpoint_override=http://h:1",
+                                                                              "*.bin")
+    assert split_wildcard("s3://b/ck/shard-?.bin") == ("s3://b/ck", "shard-?.bin")  # not options: a wildcard
+    assert split_wildcard("s3://b/k?region=x") == ("s3://b/k?region=x", None)
+    assert split_wildcard("*.pt") == (".", "*.pt") and split_wildcard("/d/**/x") == ("/d", "**/x")
+    with pytest.raises(ValueError, match="bucket"):
+        split_wildcard("s3://buck*/k")
+    with pytest.raises(ValueError, match="unknown filter"):
+        Selection.of(None, [("drop", "*")])
+    later_wins = Selection.of(None, [("exclude", "*"), ("include", "*.json"), ("exclude", "secret.json")])
+    assert [later_wins.takes(p) for p in ("a/b.json", "a/secret.json", "c.bin")] == [True, False, False]
