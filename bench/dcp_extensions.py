@@ -23,7 +23,7 @@ import tempfile
 import time
 from typing import Any
 
-from bench.spec_worker import answer, run_spec
+from bench.spec_worker import answer, run_spec, worker_flag
 
 ENGINES = ["fastckpt", "fastckpt-zstd", "dcp", "dcp-zstd"]
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    worker_flag(ap)
     args = ap.parse_args(argv)
     if args.worker:
         return answer(args.worker, worker)

@@ -36,7 +36,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench.juicefs import JuiceFSGateway, delete_prefix  # noqa: E402
-from bench.spec_worker import answer, run_spec  # noqa: E402
+from bench.spec_worker import answer, run_spec, worker_flag  # noqa: E402
 from bench.state_bench import BUCKET, fastckpt_uri, s3_env, s3tc_fs, s5cmd  # noqa: E402
 
 ENGINES = {"local": ["fastckpt", "fastckpt-base", "fastckpt-save", "fastckpt-save-base", "fastckpt-dcp",
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="before each save: written back and dropped (cold, the default), written back (warm), or "
                          "nothing (unsettled: saves back to back)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    worker_flag(ap)
     args = ap.parse_args(argv)
     if args.worker:
         return answer(args.worker, worker)

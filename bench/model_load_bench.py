@@ -32,7 +32,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench.juicefs import JuiceFSGateway  # noqa: E402
-from bench.spec_worker import answer, run_spec  # noqa: E402
+from bench.spec_worker import answer, run_spec, worker_flag  # noqa: E402
 from bench.state_bench import s3_env  # noqa: E402
 from fastckpt.config import parse_size  # noqa: E402
 
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    worker_flag(ap)
     args = ap.parse_args(argv)
     if args.worker:
         return answer(args.worker, worker)

@@ -4,6 +4,7 @@ repository and reads the JSON result the child wrote to ``OUT`` (``run_spec``); 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -25,6 +26,11 @@ def run_spec(module: str, spec: dict[str, Any], env: dict[str, str] | None = Non
         if proc.returncode != 0:
             return {"error": (proc.stderr or proc.stdout)[-1500:]}
         return json.load(out)
+
+
+def worker_flag(parser: argparse.ArgumentParser) -> None:
+    """``--worker SPEC_JSON OUT``, the hidden argument ``run_spec`` starts a module's worker with."""
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
 
 
 def answer(worker_args: list[str], worker: Callable[[dict[str, Any]], dict[str, Any]]) -> int:

@@ -42,7 +42,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench.juicefs import JuiceFSGateway, delete_prefix  # noqa: E402
-from bench.spec_worker import answer, run_spec  # noqa: E402
+from bench.spec_worker import answer, run_spec, worker_flag  # noqa: E402
 from bench.worker import vm_hwm_mib  # noqa: E402
 from harness.link import PROFILES, LinkProcess  # noqa: E402
 
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="every save and load through the link emulator with this profile (harness/link.py; s3 only)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
-    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    worker_flag(ap)
     args = ap.parse_args(argv)
     if args.worker:
         return answer(args.worker, worker)
