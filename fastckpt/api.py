@@ -12,7 +12,7 @@ from ._loop import BackgroundLoop
 from .checkpoint.base import base_objects
 from .checkpoint.catalog import latest_async as catalog_latest
 from .checkpoint.catalog import target_of
-from .checkpoint.manifest import META_DIR, marker_key
+from .checkpoint.manifest import META_DIR, is_marker, marker_key
 from .checkpoint.reader import download_checkpoint_async
 from .config import TransferConfig
 from .engine.open_stores import store_for
@@ -48,11 +48,9 @@ async def upload_async(
     chunk, is copied by the store instead of sent (``FileResult.copied``).
     """
     target = target_of(dst)
-    folder, pattern = split_wildcard(os.fspath(src))
-    selection = Selection.of(pattern, filters)
     config = config or TransferConfig.from_env()
     async with store_for(target, config) as store:
-        pairs = await upload_pairs(retrying(store, config), folder, target, names_folder(dst), selection)
+        pairs = await upload_pairs(retrying(store, config), src, dst, target, filters)
         transfer = Transfer(store, config, progress)
         try:
             bases = {} if base is None else await base_objects(store, target, base, [k for _, k in pairs])
@@ -61,9 +59,22 @@ async def upload_async(
             transfer.close()
 
 
-async def upload_pairs(store: Store, src: str, target: StorageURI, into: bool,
-                        selection: Selection) -> list[tuple[str, str]]:
-    """(local path, key) of each file an upload of ``src`` to ``target`` sends."""
+async def plan_upload_async(src: PathLike, dst: str | StorageURI, *, filters: Sequence[tuple[str, str]] = (),
+                            config: TransferConfig | None = None) -> list[tuple[str, str]]:
+    """The ``(local path, key)`` of each file ``upload_async`` with these arguments would send, sending nothing."""
+    target = target_of(dst)
+    config = config or TransferConfig.from_env()
+    async with store_for(target, config) as store:
+        return await upload_pairs(retrying(store, config), src, dst, target, filters)
+
+
+async def upload_pairs(store: Store, src: PathLike, dst: str | StorageURI, target: StorageURI,
+                       filters: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(local path, key) of each file an upload of ``src`` (wildcards allowed) to ``dst`` (parsed: ``target``)
+    sends."""
+    src, pattern = split_wildcard(os.fspath(src))
+    selection = Selection.of(pattern, filters)
+    into = names_folder(dst)
     if not os.path.exists(src):
         raise FileNotFoundError(f"source {src} does not exist")
     if os.path.isdir(src):
@@ -75,9 +86,18 @@ async def upload_pairs(store: Store, src: str, target: StorageURI, into: bool,
         raise NotADirectoryError(f"{src} is a file: a wildcard must follow a folder")
     if not selection.takes(os.path.basename(src)):
         return []
-    if into or await has_below(store, target.key):
-        return [(src, target.join(os.path.basename(src)))]
-    return [(src, target.key)]
+    return [(src, await object_key(store, target, into, os.path.basename(src)))]
+
+
+async def object_key(store: Store, target: StorageURI, into: bool, name: str) -> str:
+    """The key one file or object named ``name`` is written to at ``target``: below it under that name when ``into``
+    (the destination was written as a folder) or when objects lie below it, else ``target`` itself."""
+    return target.join(name) if into or await has_below(store, target.key) else target.key
+
+
+def file_path(dst: str, name: str) -> str:
+    """The local path one object named ``name`` lands at: inside ``dst`` when it is a folder or ends with '/'."""
+    return os.path.join(dst, name) if os.path.isdir(dst) or dst.endswith(("/", os.sep)) else dst
 
 
 async def download_async(
@@ -94,7 +114,7 @@ async def download_async(
     objects come down one by one, each verified against its own digests (``.fastckpt/`` records only with ``raw``).
     """
     config = config or TransferConfig.from_env()
-    source, selection = _source(src, filters)
+    source, selection = source_of(src, filters)
     async with store_for(source, config) as store:
         plan = await _plan_download(store, source, os.fspath(dst), selection, raw)
         transfer = Transfer(store, config, progress)
@@ -123,12 +143,13 @@ async def plan_download_async(src: str | StorageURI, dst: PathLike, *, raw: bool
                               filters: Sequence[tuple[str, str]] = (),
                               config: TransferConfig | None = None) -> DownloadPlan:
     """What ``download_async`` with these arguments would do, doing none of it (``fastckpt cp --dry-run``)."""
-    source, selection = _source(src, filters)
+    source, selection = source_of(src, filters)
     async with store_for(source, config or TransferConfig.from_env()) as store:
         return await _plan_download(store, source, os.fspath(dst), selection, raw)
 
 
-def _source(src: str | StorageURI, filters: Sequence[tuple[str, str]]) -> tuple[StorageURI, Selection]:
+def source_of(src: str | StorageURI, filters: Sequence[tuple[str, str]]) -> tuple[StorageURI, Selection]:
+    """The folder (or object) a command lists, and what it takes there (the wildcards in ``src``, ``filters``)."""
     text, pattern = split_wildcard(src) if isinstance(src, str) else (src, None)
     return target_of(text), Selection.of(pattern, filters)
 
@@ -149,10 +170,7 @@ async def _plan_download(store: Store, source: StorageURI, dst: str, selection: 
         await _cancelled(listing)
         if not selection.takes(posixpath.basename(source.key)):
             return DownloadPlan([])
-        path = dst
-        if os.path.isdir(dst) or dst.endswith(("/", os.sep)):
-            path = os.path.join(dst, posixpath.basename(source.key))
-        return DownloadPlan([(source.key, path)], metas={source.key: meta})
+        return DownloadPlan([(source.key, file_path(dst, posixpath.basename(source.key)))], metas={source.key: meta})
     if os.path.isfile(dst):
         await _cancelled(listing)
         raise NotADirectoryError(f"destination {dst} is a file, but {source.raw} is a directory")
@@ -162,7 +180,7 @@ async def _plan_download(store: Store, source: StorageURI, dst: str, selection: 
         if not found:
             raise ObjectNotFoundError(f"nothing below {source.raw} matches {selection.pattern or 'the filters'}")
     roots = [] if raw or not selection.everything else checkpoints_in([rel for _, rel, _ in found])
-    plain = [f for f in found if not any(_below(f[1], r) for r in roots)]
+    plain = [f for f in found if not any(is_below(f[1], r) for r in roots)]
     pairs = list(zip([k for k, _, _ in plain], paths_below(dst, [rel for _, rel, _ in plain]), strict=True))
     return DownloadPlan(pairs, {k: size for k, _, size in plain}, {},
                         [(source.with_key(source.join(rel)), os.path.join(dst, rel)) for rel in roots])
@@ -177,11 +195,12 @@ def checkpoints_in(rels: list[str]) -> list[str]:
     """The committed checkpoints among relative keys (a prefix's listing): those holding a commit marker, outermost
     only ("": the prefix itself)."""
     marker = marker_key("")
-    found = sorted({rel[:-len(marker)].rstrip("/") for rel in rels if rel == marker or rel.endswith("/" + marker)})
-    return [r for i, r in enumerate(found) if not any(_below(r, o) for o in found[:i])]
+    found = sorted({rel[:-len(marker)].rstrip("/") for rel in rels if is_marker(rel)})
+    return [r for i, r in enumerate(found) if not any(is_below(r, o) for o in found[:i])]
 
 
-def _below(rel: str, root: str) -> bool:
+def is_below(rel: str, root: str) -> bool:
+    """Whether the relative key ``rel`` lies at or below ``root`` ("": everything)."""
     return root == "" or rel == root or rel.startswith(root + "/")
 
 

@@ -12,20 +12,21 @@ import asyncio
 import bisect
 import dataclasses
 import hashlib
-import mmap
 import os
 
 from ._loop import BackgroundLoop
 from .checkpoint.catalog import target_of
+from .checkpoint.manifest import is_marker
 from .config import TransferConfig, default_state_dir
 from .engine.paths import local_files, paths_below
 from .engine.select import Selection, split_wildcard
 from .engine.session import FileResult
+from .engine.sink import hash_file_range
 from .engine.sync_cache import Known, SyncCache, local_version
 from .engine.transfer import Transfer
-from .integrity import FileDigest, combine, hash_chunks
+from .integrity import FileDigest, combine
 from .mirror import Moved, is_local, markers_last, remove_files
-from .objects import Filters, at, is_marker, opened, prune_local, stream
+from .objects import Filters, at, opened, prune_local, stream
 from .objects import select as select_objects
 from .removal import SORTED, delete_markers_first
 from .stores.base import ObjectMeta, Store
@@ -40,12 +41,10 @@ STEP = 1000
 
 
 def local_digest(path: str, chunk_size: int) -> str:
-    """The file digest of ``path`` cut into ``chunk_size`` chunks (as fastckpt records it)."""
+    """The file digest of ``path`` cut into ``chunk_size`` chunks (as fastckpt records it), read through mappings of
+    bounded size (``engine.sink.hash_file_range``)."""
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return combine([])
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-            return combine(hash_chunks(view, chunk_size))
+        return combine(hash_file_range(f.fileno(), 0, os.fstat(f.fileno()).st_size, chunk_size) or [])
 
 
 async def compare(store: Store, key: str, path: str, listed: ObjectMeta, known: Known | None, *,

@@ -4,14 +4,16 @@ Commit markers are written last and removed first, so a checkpoint is never comm
 from __future__ import annotations
 
 import os
+import posixpath
 from dataclasses import dataclass, field
 
 from ._loop import BackgroundLoop
-from .api import upload_pairs
+from .api import file_path, object_key, source_of, upload_pairs
 from .checkpoint.catalog import target_of
+from .checkpoint.manifest import is_marker
 from .config import TransferConfig
-from .engine.paths import paths_below
-from .engine.select import Selection, has_below, split_wildcard
+from .engine.paths import paths_below, prune_empty
+from .engine.select import split_wildcard
 from .engine.stream import copy_object
 from .engine.transfer import Transfer
 from .errors import CopyUnsupportedError
@@ -20,10 +22,8 @@ from .objects import (
     Listed,
     at,
     chosen_below,
-    is_marker,
     opened,
     prune_local,
-    source_of,
 )
 from .removal import delete_markers_first, markers_of
 from .stores.base import CopySource, ObjectMeta, Store
@@ -57,17 +57,12 @@ class Moved:
     deleted: list[str] = field(default_factory=list)
 
 
-def remove_files(paths: list[str], top: str) -> None:
-    """Remove local files (commit markers first), then the folders below ``top`` that this left empty."""
+def remove_files(paths: list[str], top: str, *, keep_top: bool = True) -> None:
+    """Remove local files (commit markers first), then the folders below ``top`` that this left empty (``top`` too
+    unless ``keep_top``)."""
     for path in sorted(paths, key=lambda p: not is_marker(p.replace(os.sep, "/"))):
         os.remove(path)
-    for folder in sorted({os.path.dirname(p) for p in paths}, key=len, reverse=True):
-        while len(folder) > len(top.rstrip(os.sep)) and folder.startswith(top):
-            try:
-                os.rmdir(folder)
-            except OSError:
-                break
-            folder = os.path.dirname(folder)
+    prune_empty((os.path.dirname(p) for p in paths), top, keep_top=keep_top)
 
 
 # ------------------------------------------------------------------------------------------------------------ move
@@ -109,7 +104,7 @@ async def _move_up(src: str, dst: str, filters: Filters, dry_run: bool, config: 
     folder, pattern = split_wildcard(src)
     target = target_of(dst)
     async with opened(target, config) as store:
-        pairs = await upload_pairs(store, folder, target, names_folder(dst), Selection.of(pattern, filters))
+        pairs = await upload_pairs(store, src, dst, target, filters)
         done = Moved([(p, at(target, k)) for p, k in pairs], sum(os.stat(p).st_size for p, _ in pairs))
         if dry_run or not pairs:
             return done
@@ -120,17 +115,15 @@ async def _move_up(src: str, dst: str, filters: Filters, dry_run: bool, config: 
                     await transfer.upload_files(batch, snapshot=True)
         finally:
             transfer.close()
-    remove_files([p for p, _ in pairs], folder if os.path.isdir(folder) else os.path.dirname(folder))
-    if os.path.isdir(folder) and pattern is None and not os.listdir(folder):
-        os.rmdir(folder)
+    top = folder if os.path.isdir(folder) else os.path.dirname(folder)
+    remove_files([p for p, _ in pairs], top, keep_top=top != folder or pattern is not None)  # a folder moved whole goes
     return done
 
 
 async def _move_down(store: Store, source: StorageURI, chosen: list[Listed], dst: str, config: TransferConfig,
                      dry_run: bool) -> Moved:
     if len(chosen) == 1 and not chosen[0].rel:
-        into = os.path.isdir(dst) or dst.endswith(("/", os.sep))
-        paths = [os.path.join(dst, os.path.basename(chosen[0].key)) if into else dst]
+        paths = [file_path(dst, posixpath.basename(chosen[0].key))]
     else:
         paths = paths_below(dst, [f.rel for f in chosen])
     pairs = [(f.key, p) for f, p in zip(chosen, paths, strict=True)]
@@ -151,8 +144,7 @@ async def _copy_across(store: Store, source: StorageURI, chosen: list[Listed], d
     target = target_of(dst)
     async with opened(target, config) as into:
         if len(chosen) == 1 and not chosen[0].rel:
-            folder = names_folder(dst) or await has_below(into, target.key)
-            keys = [target.join(chosen[0].key.rsplit("/", 1)[-1]) if folder else target.key]
+            keys = [await object_key(into, target, names_folder(dst), posixpath.basename(chosen[0].key))]
         else:
             keys = [target.join(f.rel) for f in chosen]
         pairs = [(f.key, k) for f, k in zip(chosen, keys, strict=True)]

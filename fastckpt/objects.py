@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from ._loop import BackgroundLoop
+from .api import source_of
 from .checkpoint.catalog import target_of
-from .checkpoint.manifest import MARKER, META_DIR, marker_key
 from .config import TransferConfig
 from .engine.open_stores import store_for
-from .engine.select import Selection, has_below, split_wildcard
+from .engine.paths import prune_empty
+from .engine.select import Selection, has_below, relative
 from .engine.stream import StreamReader
 from .errors import ObjectNotFoundError
 from .stores.base import ObjectMeta, Store
@@ -39,25 +40,9 @@ class Listed:
         return selection.takes(self.rel or posixpath.basename(self.key))
 
 
-def is_marker(rel: str) -> bool:
-    """Whether a relative key is a checkpoint's commit marker."""
-    return rel == marker_key("") or rel.endswith(f"/{META_DIR}/{MARKER}")
-
-
 def at(uri: StorageURI, key: str) -> str:
     """Where ``key`` of ``uri``'s store is, as people write it: ``s3://bucket/key``, a local path (no options)."""
     return str(uri.with_key(key))
-
-
-def relative(prefix: str, key: str) -> str:
-    """``key``'s path below the folder ``prefix`` ("" for the object named ``prefix`` itself)."""
-    return key[len(prefix):].lstrip("/") if prefix else key
-
-
-def source_of(uri: str | StorageURI, filters: Filters) -> tuple[StorageURI, Selection]:
-    """The folder (or object) a command lists and what it takes there."""
-    text, pattern = split_wildcard(uri) if isinstance(uri, str) else (uri, None)
-    return target_of(text), Selection.of(pattern, filters)
 
 
 async def stream(store: Store, source: StorageURI, selection: Selection) -> AsyncIterator[Listed]:
@@ -109,17 +94,8 @@ async def opened(uri: StorageURI, config: TransferConfig | None) -> AsyncIterato
 
 def prune_local(source: StorageURI, keys: list[str]) -> None:
     """On the local store: remove the folders that deleting ``keys`` left empty, up to ``source``'s own."""
-    if source.backend != "local":
-        return
-    top = "/" + source.key
-    folders = {os.path.dirname("/" + k) for k in keys}
-    for folder in sorted(folders, key=len, reverse=True):
-        while folder.startswith(top) and len(folder) >= len(top):
-            try:
-                os.rmdir(folder)
-            except OSError:
-                break
-            folder = os.path.dirname(folder)
+    if source.backend == "local":
+        prune_empty((os.path.dirname("/" + k) for k in keys), "/" + source.key, keep_top=False)
 
 
 async def cat_async(uri: str | StorageURI, write: Callable[[memoryview], object], *,

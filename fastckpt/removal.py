@@ -9,10 +9,11 @@ import heapq
 from dataclasses import dataclass, field
 
 from ._loop import BackgroundLoop
-from .api import checkpoints_in
-from .checkpoint.manifest import marker_key
+from .api import checkpoints_in, is_below, source_of
+from .checkpoint.manifest import is_marker, marker_key
 from .config import TransferConfig
-from .objects import Filters, Listed, at, chosen_below, is_marker, opened, prune_local, relative, source_of
+from .engine.select import relative
+from .objects import Filters, Listed, at, chosen_below, opened, prune_local
 from .stores.base import ObjectMeta, Store
 from .uri import StorageURI
 
@@ -39,7 +40,7 @@ async def markers_of(store: Store, source: StorageURI, listed: list[Listed], cho
     found in the listing with a chosen object below them, and those that hold ``source`` itself."""
     markers = []
     for root in checkpoints_in([f.rel for f in listed]):
-        if any(not root or f.rel == root or f.rel.startswith(root + "/") for f in chosen):
+        if any(is_below(f.rel, root) for f in chosen):
             markers.append(source.join(marker_key(root)))
     return markers + (await markers_above(store, source) if chosen else [])
 
@@ -82,13 +83,11 @@ class _Streaming:
         while self.waiting and self.waiting[0][0] <= last:
             self.ready.append(heapq.heappop(self.waiting)[2])
         if len(self.ready) >= BATCH:
-            await self.ship()
+            batch, self.ready = self.ready, []
+            await self.ship(batch)
 
-    async def ship(self) -> None:
-        """Send what is ready as one batch (after the markers listed so far are gone), at most ``IN_FLIGHT`` at once."""
-        batch, self.ready = self.ready, []
-        if not batch:
-            return
+    async def ship(self, batch: list[ObjectMeta]) -> None:
+        """Send ``batch`` as one request (after the markers listed so far are gone), at most ``IN_FLIGHT`` at once."""
         await asyncio.gather(*self.markers)
         while len(self.batches) >= IN_FLIGHT:
             done, _ = await asyncio.wait(self.batches, return_when=asyncio.FIRST_COMPLETED)
@@ -100,12 +99,10 @@ class _Streaming:
 
     async def finish(self) -> None:
         """The listing is done: everything left is safe."""
-        self.ready += [entry[2] for entry in sorted(self.waiting)]
-        self.waiting = []
-        while self.ready:
-            rest, self.ready = self.ready[BATCH:], self.ready[:BATCH]
-            await self.ship()
-            self.ready = rest
+        rest = [*self.ready, *(entry[2] for entry in sorted(self.waiting))]
+        self.ready, self.waiting = [], []
+        for i in range(0, len(rest), BATCH):
+            await self.ship(rest[i:i + BATCH])
         await asyncio.gather(*self.markers, *self.batches)
 
     async def abandon(self) -> None:

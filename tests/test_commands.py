@@ -104,7 +104,8 @@ async def test_wildcards_and_filters(store_uri: str, tmp_path: Path) -> None:
     assert [k for k in await keys(store_uri) if k.startswith("pts/")] == ["pts/x/opt.pt"]
 
 
-async def test_rm_takes_the_marker_first(store_uri: str, tmp_path: Path) -> None:
+async def test_rm_takes_the_marker_first(store_uri: str, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(removal, "BATCH", 2)  # a streamed removal ships batches while it still lists
     cfg = small_config()
     for step in (1, 2):
         await commit(at(store_uri, f"run/step-{step}"), {"w.bin": b"w" * 100, "opt.bin": b"o" * 50,

@@ -46,6 +46,12 @@ def marker_key(checkpoint_key: str) -> str:
     return join_key(checkpoint_key, META_DIR, MARKER)
 
 
+def is_marker(key: str) -> bool:
+    """Whether ``key`` (or a key relative to a listed prefix) is a checkpoint's commit marker."""
+    marker = marker_key("")
+    return key == marker or key.endswith("/" + marker)
+
+
 def rank_key(meta: str, attempt: str, rank: int) -> str:
     """Key of ``rank``'s manifest of ``attempt`` below the metadata directory ``meta``."""
     return join_key(meta, attempt, f"rank-{rank:05d}.json")

@@ -9,13 +9,11 @@ from collections.abc import Callable
 
 from .. import __version__
 from .._loop import run_sync
-from ..api import download, plan_download_async, upload, upload_pairs
+from ..api import download, plan_download_async, plan_upload_async, source_of, upload
 from ..checkpoint import gc, list_checkpoints, verify
 from ..checkpoint.catalog import target_of
 from ..config import TransferConfig, parse_size
-from ..engine.open_stores import store_for
 from ..engine.progress import ProgressCallback
-from ..engine.select import Selection, split_wildcard
 from ..engine.transfer import Transfer
 from ..errors import FastckptError
 from ..folder_sync import sync
@@ -23,7 +21,7 @@ from ..mirror import Moved, copy, is_local, move
 from ..objects import at, cat, disk_usage, list_objects
 from ..removal import remove
 from ..stores import open_store
-from ..uri import names_folder, parse_uri
+from ..uri import parse_uri
 
 Result = dict[str, object]
 
@@ -81,14 +79,12 @@ def cmd_cp(args: argparse.Namespace) -> Result:
 async def _plan_cp(args: argparse.Namespace, config: TransferConfig) -> list[tuple[str, str]]:
     if not is_local(args.src):
         plan = await plan_download_async(args.src, args.dst, raw=args.raw, filters=args.filters, config=config)
-        source = target_of(split_wildcard(args.src)[0])
+        source = source_of(args.src, ())[0]
         return [*((at(source, k), path) for k, path in plan.pairs),
                 *((f"{uri} (committed files, verified)", path) for uri, path in plan.checkpoints)]
-    folder, pattern = split_wildcard(args.src)
+    pairs = await plan_upload_async(args.src, args.dst, filters=args.filters, config=config)
     target = target_of(args.dst)
-    async with store_for(target, config) as store:
-        pairs = await upload_pairs(store, folder, target, names_folder(args.dst), Selection.of(pattern, args.filters))
-        return [(path, at(target, key)) for path, key in pairs]
+    return [(path, at(target, key)) for path, key in pairs]
 
 
 def cmd_mv(args: argparse.Namespace) -> Result:
@@ -122,7 +118,7 @@ def cmd_ls(args: argparse.Namespace) -> Result:
         found = list_checkpoints(args.uri, config=config_of(args))
         return {"checkpoints": [{**c.__dict__, "step": _step(c.name)} for c in found]}
     objects, folders = list_objects(args.uri, recursive=args.recursive, filters=args.filters, config=config_of(args))
-    base = target_of(split_wildcard(args.uri)[0])
+    base = source_of(args.uri, ())[0]
     return {"objects": [{"key": m.key, "uri": at(base, m.key), "size": m.size, "mtime": m.mtime} for m in objects],
             "folders": [at(base, f) + "/" for f in folders]}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 
 def local_files(src: str) -> list[tuple[str, str]]:
@@ -48,3 +49,16 @@ def paths_below(root: str, rels: list[str]) -> list[str]:
             raise ValueError(f"refusing to write {rel!r}: {parent} leads outside {root} (a symlink)")
         out.append(path)
     return out
+
+
+def prune_empty(folders: Iterable[str], top: str, *, keep_top: bool) -> None:
+    """Remove each of ``folders`` that is empty, then its parents while they are, up to ``top`` (``top`` itself too
+    unless ``keep_top``); nothing outside ``top``."""
+    top = top.rstrip(os.sep) or os.sep
+    for folder in sorted(set(folders), key=len, reverse=True):
+        while folder.startswith(top + os.sep) or (folder == top and not keep_top):
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
+            folder = os.path.dirname(folder)

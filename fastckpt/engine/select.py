@@ -123,13 +123,18 @@ async def has_below(store: Store, key: str) -> bool:
     return False
 
 
+def relative(prefix: str, key: str) -> str:
+    """``key``'s path below the folder ``prefix`` ("" for the object named ``prefix`` itself)."""
+    return key[len(prefix):].lstrip("/") if prefix else key
+
+
 async def keys_below(store: Store, prefix: str) -> list[tuple[str, str, int]]:
     """(key, path relative to ``prefix``, size) of every object below ``prefix``; error when none, or when a name
     has an empty, '.' or '..' part (it could not become a local path)."""
     prefix = prefix.strip("/")
     found = []
     async for meta in store.list(prefix):
-        rel = meta.key[len(prefix):].lstrip("/") if prefix else meta.key
+        rel = relative(prefix, meta.key)
         if not rel:
             continue
         if any(part in ("", ".", "..") for part in rel.split("/")):
