@@ -29,6 +29,8 @@ from harness.loopserver import LoopServer, reset
 
 KINDS = ("reset_request", "reset_response", "truncate_response", "stall", "stall_response", "status", "refuse")
 CHUNK = 64 << 10
+BODY_SEEN = 4096
+"""How much of each request's body a throttling proxy keeps (``bodies``)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,15 @@ class FaultProxy(LoopServer):
         """Under ``throttle``: one entry per request, in order, True when the proxy throttled it."""
         self.requests: list[str] = []
         """Under ``throttle``: each request's first line (method and target), in order."""
+        self.headers: list[dict[str, str]] = []
+        """Under ``throttle``: each request's headers (names in lower case), in order."""
+        self.sent = 0
+        """Under ``throttle``: the bytes of request bodies (as their ``Content-Length`` gives them)."""
+        self.strip: frozenset[str] = frozenset()
+        """Under ``throttle``: headers (lower-case names) recorded but not sent upstream, for an emulator that refuses
+        what it does not implement (a request then must not sign them: a SAS signs none)."""
+        self.bodies: list[bytes] = []
+        """Under ``throttle``: the first ``BODY_SEEN`` bytes of each request's body, in order."""
 
     def arm(self, fault: Fault | None, times: int | None = 1, skip: int = 0) -> None:
         """Apply ``fault`` ``times`` times (None: every time), to connections opened after the next ``skip``:
@@ -192,7 +203,12 @@ class FaultProxy(LoopServer):
             client_w.transport.abort()
             return
         self.answers.append(self._serving >= limit)
-        self.requests.append(head.split(b"\r\n", 1)[0].decode("latin-1"))
+        first, *lines = head.decode("latin-1").split("\r\n")[:-2]
+        self.requests.append(first)
+        self.headers.append({n.strip().lower(): v.strip() for n, _, v in (line.partition(":") for line in lines)})
+        self.sent += int(self.headers[-1].get("content-length", 0))
+        index = len(self.bodies)
+        self.bodies.append(b"")
         if self.answers[-1]:
             await self._answer(client_r, client_w, fault, head)
             return
@@ -203,8 +219,15 @@ class FaultProxy(LoopServer):
             self._serving -= 1
             reset(client_w)
             return
-        lines = [line for line in head.split(b"\r\n")[:-2] if not line.lower().startswith(b"connection:")]
+        lines = [line for line in head.split(b"\r\n")[:-2]
+                 if line.split(b":", 1)[0].strip().lower().decode("latin-1") not in self.strip | {"connection"}]
         upstream_w.write(b"\r\n".join([*lines, b"Connection: close", b"", b""]))
+        try:
+            start = await client_r.readexactly(min(BODY_SEEN, int(self.headers[-1].get("content-length", 0))))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            start = exc.partial if isinstance(exc, asyncio.IncompleteReadError) else b""
+        self.bodies[index] = start
+        upstream_w.write(start)
         pair = (client_w, upstream_w)
         up = asyncio.ensure_future(self._pipe(client_r, upstream_w, None, pair, "up"))
         served = False

@@ -21,7 +21,7 @@ from azure.storage.blob import BlobSasPermissions, generate_blob_sas
 from azure.storage.blob import __version__ as VERSION
 from azure.storage.blob.aio import BlobClient, ContainerClient
 
-from ...errors import StoreError
+from ...errors import CopyUnsupportedError, StoreError
 from ...http import Response
 from ...threads import off_loop
 from ...transport import Buffer
@@ -177,6 +177,9 @@ class AzureClient:
         credential's token."""
         url = f"{self.options.url}/{self.container}/{quote(key, safe='/~')}"
         opts = self.options
+        if opts.controls.customer_key:
+            raise CopyUnsupportedError(f"{self.errors.url(key)} is encrypted with a customer-provided key, which the "
+                                       "service cannot read as the source of a copy", key=key, backend="azure")
         if opts.kind == "sas":
             return {"x-ms-copy-source": f"{url}?{opts.secret}"}
         if opts.kind == "key":

@@ -22,6 +22,7 @@ from azure.core.credentials import AzureNamedKeyCredential
 from ...config import env_flag
 from ...errors import AccessDeniedError
 from ...uri import StorageURI, check_options, parse_flag
+from .controls import AzureControls
 
 EMULATOR_ACCOUNT = "devstoreaccount1"
 # Azurite's and the storage emulator's published well-known key (public; used only for devstoreaccount1).
@@ -33,7 +34,8 @@ class AzureOptions:
     """Where and as whom to connect. ``kind`` is ``key``, ``sas``, ``anonymous`` or ``default``
     (``DefaultAzureCredential``, created in the running loop); ``secret`` is never shown."""
 
-    QUERY: ClassVar[frozenset[str]] = frozenset({"account", "endpoint_override", "endpoint_suffix", "anonymous"})
+    QUERY: ClassVar[frozenset[str]] = frozenset({"account", "endpoint_override", "endpoint_suffix", "anonymous",
+                                                 *AzureControls.QUERY})
     account: str
     url: str
     kind: str
@@ -41,6 +43,8 @@ class AzureOptions:
     """Where the credential came from, for error messages (never the secret itself)."""
     secret: str = field(default="", repr=False)
     content_md5: bool = True
+    controls: AzureControls = field(default_factory=AzureControls)
+    """Encryption and container policies every request honours (``stores.azure.controls``)."""
 
     @classmethod
     def from_uri(cls, uri: StorageURI, env: Mapping[str, str] = os.environ) -> AzureOptions:
@@ -58,7 +62,7 @@ class AzureOptions:
         """URI options that give these options back (with the same environment)."""
         pairs = {"account": self.account, "anonymous": "true" if self.kind == "anonymous" else None,
                  "endpoint_override": None if re.fullmatch(r"https://[a-z0-9]+\.blob\.core\.windows\.net", self.url)
-                 else self.url}
+                 else self.url, **self.controls.query()}
         return {k: v for k, v in pairs.items() if v}
 
 
@@ -119,4 +123,5 @@ def resolve_endpoint(options: Mapping[str, str], env: Mapping[str, str] | None =
                 f"no credentials for Azure storage account {account!r}: set AZURE_STORAGE_CONNECTION_STRING, "
                 "AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, or install azure-identity")
         kind, secret, source = "default", "", "DefaultAzureCredential"
-    return AzureOptions(account, url, kind, source, secret, env_flag("FASTCKPT_AZURE_CONTENT_MD5", True, env))
+    return AzureOptions(account, url, kind, source, secret, env_flag("FASTCKPT_AZURE_CONTENT_MD5", True, env),
+                        AzureControls.from_options(options, env))

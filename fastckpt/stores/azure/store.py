@@ -53,7 +53,7 @@ class AzureStore(NamedUploadStore):
 
     async def head(self, key: str) -> ObjectMeta:
         try:
-            props = await self.client.blob(key).get_blob_properties()
+            props = await self.client.blob(key).get_blob_properties(headers=self.options.controls.headers())
         except Exception as exc:
             raise self.client.errors.translate(exc, key) from exc
         return ObjectMeta(key, props.size, props.last_modified.timestamp(), props.etag, decode_metadata(props.metadata))
@@ -62,8 +62,8 @@ class AzureStore(NamedUploadStore):
         """One ranged Get Blob on the HTTP data path, its body received straight by ``into``."""
         if not length:
             return 0
-        resp = await self.client.send("GET", key, "", {"x-ms-range": f"bytes={start}-{start + length - 1}"},
-                                      into=into)
+        resp = await self.client.send("GET", key, "", {"x-ms-range": f"bytes={start}-{start + length - 1}",
+                                                       **self.options.controls.headers()}, into=into)
         return ranged(resp, start, self.client.errors.url(key), self.options.url)
 
     async def put(
@@ -74,7 +74,8 @@ class AzureStore(NamedUploadStore):
         try:
             await self.client.blob(key).upload_blob(
                 data if isinstance(data, bytes) else bytes(data), length=len(data), overwrite=not if_absent,
-                metadata=encode_metadata(metadata), max_concurrency=1, **extra)
+                metadata=encode_metadata(metadata), max_concurrency=1,
+                headers=self.options.controls.headers(creates=True), **extra)
         except Exception as exc:
             raise self.client.errors.translate(exc, key, if_absent=if_absent) from exc
 
@@ -88,7 +89,8 @@ class AzureStore(NamedUploadStore):
                                        f"{self.client.errors.url(source.key)}", key=source.key, backend="azure")
         headers = {"Content-Length": "0", **await self.client.copy_source(source.key),
                    "x-ms-source-if-match": source.etag,
-                   **{f"x-ms-meta-{k}": v for k, v in encode_metadata(metadata).items()}}
+                   **{f"x-ms-meta-{k}": v for k, v in encode_metadata(metadata).items()},
+                   **self.options.controls.headers(creates=True)}
         if if_absent:
             headers["If-None-Match"] = "*"
         try:
@@ -104,7 +106,8 @@ class AzureStore(NamedUploadStore):
         status = resp.headers.get("x-ms-copy-status", "success")
         while status == "pending":
             await asyncio.sleep(0.05)
-            status = (await self.client.blob(key).get_blob_properties()).copy.status
+            status = (await self.client.blob(key).get_blob_properties(
+                headers=self.options.controls.headers())).copy.status
         if status != "success":
             raise StoreError(f"copy of {self.client.errors.url(source.key)} to {self.client.errors.url(key)} ended "
                              f"{status}", key=key, backend="azure")

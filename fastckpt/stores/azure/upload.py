@@ -45,7 +45,7 @@ class AzureUpload(MultipartUpload):
         self._check_open()
         block_id = self.block_id(index)
         md5 = await self._client.md5(data)
-        headers = {"Content-Length": str(len(data))}
+        headers = {"Content-Length": str(len(data)), **self._store.options.controls.headers(writes=True)}
         if md5:
             headers["Content-MD5"] = base64.b64encode(md5).decode()
         encoded = quote(base64.b64encode(block_id.encode()).decode(), safe="")
@@ -58,7 +58,7 @@ class AzureUpload(MultipartUpload):
         block_id = self.block_id(index)
         headers = {"Content-Length": "0", **await self._client.copy_source(source.key),
                    "x-ms-source-range": f"bytes={source.start}-{source.start + source.length - 1}",
-                   "x-ms-source-if-match": source.etag}
+                   "x-ms-source-if-match": source.etag, **self._store.options.controls.headers(writes=True)}
         encoded = quote(base64.b64encode(block_id.encode()).decode(), safe="")
         try:
             await self._client.send("PUT", self.key, f"comp=block&blockid={encoded}", headers)
@@ -80,7 +80,8 @@ class AzureUpload(MultipartUpload):
         try:
             await self._client.blob(self.key).commit_block_list(
                 [p.token or self.block_id(p.index) for p in parts],
-                metadata=encode_metadata(self._metadata if metadata is None else metadata), **condition)
+                metadata=encode_metadata(self._metadata if metadata is None else metadata),
+                headers=self._store.options.controls.headers(creates=True), **condition)
         except Exception as exc:
             raise self._client.errors.translate(exc, self.key, if_absent=self._if_absent) from exc
         self._closed = self._discarded = True

@@ -15,7 +15,7 @@ import json
 import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 import aiohttp
 import google_crc32c
@@ -160,6 +160,7 @@ class GCSClient:
         """Whether the bucket is absent (a 404 then names the bucket, not the object)."""
         try:
             await self.storage().get_bucket_metadata(self.bucket, headers=await self.headers(),
+                                                     params=self.options.controls.params(),
                                                      timeout=self.timeout)  # type: ignore[arg-type]
         except aiohttp.ClientResponseError as exc:
             return exc.status == 404
@@ -194,17 +195,20 @@ class GCSClient:
         object be deleted and a TransientStoreError be raised.
         """
         crc = crc or await crc32c(data)
-        resource = {"name": key, "contentType": CONTENT_TYPE, "crc32c": crc, "metadata": metadata or {}}
+        controls = self.options.controls
+        resource = {"name": key, "contentType": CONTENT_TYPE, "crc32c": crc, "metadata": metadata or {},
+                    **controls.resource()}
         boundary = secrets.token_hex(16)
         head = (f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
                 f"{json.dumps(resource)}\r\n--{boundary}\r\nContent-Type: {CONTENT_TYPE}\r\n\r\n").encode()
         tail = f"\r\n--{boundary}--\r\n".encode()
-        query = "uploadType=multipart" + ("&ifGenerationMatch=0" if if_absent else "")
+        params = {"uploadType": "multipart", **({"ifGenerationMatch": "0"} if if_absent else {}),
+                  **controls.params(creates=True)}
         what = self.url(key)
 
         async def send(_: Storage, headers: dict[str, str]) -> dict[str, Any]:
-            headers = {**headers, "Content-Type": f"multipart/related; boundary={boundary}"}
-            resp = await self.data_request("POST", f"/upload/storage/v1/b/{self.bucket}/o?{query}", headers,
+            headers = {**headers, **controls.headers(), "Content-Type": f"multipart/related; boundary={boundary}"}
+            resp = await self.data_request("POST", f"/upload/storage/v1/b/{self.bucket}/o?{urlencode(params)}", headers,
                                            what=what, key=key, body=[head, data, tail])
             return json.loads(resp.body)
 
@@ -213,7 +217,7 @@ class GCSClient:
             generation = result.get("generation")
             await self.call(what, lambda c, h: c.delete(
                 self.bucket, key, headers=h, timeout=self.timeout,  # type: ignore[arg-type]
-                params={"ifGenerationMatch": str(generation)} if generation else None))
+                params={**controls.params(), **({"ifGenerationMatch": str(generation)} if generation else {})}))
             raise TransientStoreError(f"{what}: CRC32C mismatch (sent {crc}, stored {result['crc32c']}); "
                                       "the object was removed")
         return result
@@ -222,14 +226,16 @@ class GCSClient:
                       if_absent: bool = False, generations: list[str] | None = None) -> dict[str, Any]:
         """Compose up to 32 ``sources`` (in order) into ``key`` with ``metadata`` (``ifGenerationMatch=0``
         with ``if_absent``; ``generations``: each source only as that generation)."""
+        controls = self.options.controls
         conditions = [{"objectPreconditions": {"ifGenerationMatch": g}} for g in generations or []]
         payload = {"sourceObjects": [{"name": s, **c} for s, c in zip(sources, conditions or [{}] * len(sources),
                                                                        strict=True)],
-                   "destination": {"contentType": CONTENT_TYPE, "metadata": metadata or {}}}
+                   "destination": {"contentType": CONTENT_TYPE, "metadata": metadata or {}, **controls.resource()}}
         url = f"{self.endpoint}/storage/v1/b/{self.bucket}/o/{quote(key, safe='')}/compose"
-        params = {"ifGenerationMatch": "0"} if if_absent else None
+        params = {**({"ifGenerationMatch": "0"} if if_absent else {}), **controls.params(creates=True)}
         return await self.call(self.url(key), lambda _, headers: self.session_request(
-            "POST", url, headers=headers, json=payload, params=params), key=key, if_absent=if_absent)
+            "POST", url, headers={**headers, **controls.headers()}, json=payload, params=params), key=key,
+            if_absent=if_absent)
 
     async def close(self) -> None:
         await self.data.close()

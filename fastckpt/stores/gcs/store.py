@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import secrets
 from datetime import datetime, timezone
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from ...errors import AlreadyExistsError, CopyUnsupportedError, ObjectNotFoundError, SourceChangedError, StoreError
 from ...tasks import gather_bounded
@@ -99,7 +100,8 @@ class GCSStore(NamedUploadStore):
     async def delete(self, key: str) -> None:
         try:
             await self.client.call(self.client.url(key), lambda c, h: c.delete(
-                self.bucket, key, headers=h, timeout=self.client.timeout), key=key)  # type: ignore[arg-type]
+                self.bucket, key, headers=h, params=self.options.controls.params(),
+                timeout=self.client.timeout), key=key)  # type: ignore[arg-type]
         except ObjectNotFoundError:
             if not self.client.bucket_exists:
                 raise
@@ -121,8 +123,17 @@ class GCSStore(NamedUploadStore):
     # ----------------------------------------------------------------------------- reads
 
     async def head(self, key: str) -> ObjectMeta:
-        return _meta(await self.client.call(self.client.url(key), lambda c, h: c.download_metadata(
-            self.bucket, key, headers=h, timeout=self.client.timeout), key=key))  # type: ignore[arg-type]
+        """objects.get of the metadata on the HTTP data path (the SDK's takes no ``userProject``)."""
+        controls, where = self.options.controls, self.client.url(key)
+        path = f"/storage/v1/b/{self.bucket}/o/{quote(key, safe='')}"
+        if params := controls.params():
+            path += "?" + urlencode(params)
+
+        async def get(_: Any, auth: dict[str, str]) -> dict[str, Any]:
+            resp = await self.client.data_request("GET", path, {**auth, **controls.headers()}, what=where, key=key)
+            return json.loads(resp.body)
+
+        return _meta(await self.client.call(where, get, key=key))
 
     async def copy(self, key: str, source: CopySource, *, if_absent: bool = False,
                    metadata: dict[str, str] | None = None) -> None:
@@ -154,18 +165,20 @@ class GCSStore(NamedUploadStore):
         if not length:
             return 0
         headers = {"Range": f"bytes={start}-{start + length - 1}", "Accept-Encoding": "identity"}
-        path = f"/storage/v1/b/{self.bucket}/o/{quote(key, safe='')}?alt=media"
+        controls = self.options.controls
+        path = f"/storage/v1/b/{self.bucket}/o/{quote(key, safe='')}?{urlencode({'alt': 'media', **controls.params()})}"
         where = self.client.url(key)
 
         async def read(_: Any, auth: dict[str, str]) -> int:
-            resp = await self.client.data_request("GET", path, {**auth, **headers}, what=where, key=key, into=into)
+            resp = await self.client.data_request("GET", path, {**auth, **headers, **controls.headers()}, what=where,
+                                                  key=key, into=into)
             return ranged(resp, start, where, self.options.endpoint)
 
         return await self.client.call(where, read, key=key)
 
     async def list_page(self, prefix: str, delimiter: str | None = None, token: str | None = None) -> ListPage:
         """One objects.list request."""
-        params = {"prefix": prefix, "maxResults": "1000"}
+        params = {"prefix": prefix, "maxResults": "1000", **self.options.controls.params()}
         if delimiter:
             params["delimiter"] = delimiter
         if token:

@@ -22,6 +22,7 @@ from ...http import Response
 from ...transport import Buffer, FileRange, Pieces, Receiver
 from ..datapath import DataPath
 from .answers import timestamp
+from .controls import S3Controls, operation_of
 from .errors import S3Errors, request_failure
 from .options import S3Options, env_credentials
 from .sigv4 import UNSIGNED_PAYLOAD, S3Signer
@@ -64,6 +65,7 @@ class S3Client:
         """A request on the data path; errors as fastckpt errors (a 2xx or 416 answer is returned, a 206 or 200 with
         its body received by ``into``)."""
         path = (await self._data_path())[0]
+        headers = {**headers, **self.options.controls.headers(operation_of(method, key, query, headers))}
         target = path + quote(key, safe="/~")
         if query:
             target += "?" + "&".join(f"{k}={quote(v, safe='-_.~')}" if v else k for k, v in query.items())
@@ -133,8 +135,16 @@ class S3Client:
             signature_version=UNSIGNED if opts.anonymous else None,
             user_agent_extra="fastckpt",
         )
-        return await self._sdk_clients.enter_async_context(self._aio_session().create_client(
+        client = await self._sdk_clients.enter_async_context(self._aio_session().create_client(
             "s3", region_name=region, endpoint_url=opts.endpoint_url, use_ssl=opts.use_ssl, config=config))
+        if opts.controls != S3Controls():
+            client.meta.events.register("before-sign.s3", self._controlled)
+        return client
+
+    def _controlled(self, request: Any, operation_name: str, **_: Any) -> None:
+        """The bucket's controls on a request of the SDK, as on the data path's (``stores.s3.controls``)."""
+        for name, value in self.options.controls.headers(operation_name).items():
+            request.headers[name] = value
 
     async def _translating(self, start: Callable[[], Awaitable[T]], key: str = "", if_absent: bool = False) -> T:
         """``await start()``, a failed request (a botocore one included) raised as a fastckpt error."""
@@ -229,7 +239,7 @@ class S3Client:
         assert self._signing is not None
         path, credentials, signer = self._signing
         try:
-            resp = await self._sign_and_send("HEAD", path, {}, None, None, "")
+            resp = await self._sign_and_send("HEAD", path, self.options.controls.headers("Bucket"), None, None, "")
         except StoreError:
             return  # the requests that follow report it
         self.bucket_ok = 200 <= resp.status < 300

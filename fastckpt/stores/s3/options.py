@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 from urllib.parse import urlsplit
 
 from ...config import env_flag
 from ...uri import StorageURI, check_options
+from .controls import S3Controls
 from .sigv4 import StaticCredentials
 
 
@@ -19,7 +20,7 @@ class S3Options:
     """How to reach one S3 endpoint: from the URI's options (``QUERY``) and the environment."""
 
     QUERY: ClassVar[frozenset[str]] = frozenset(
-        {"endpoint_override", "region", "scheme", "profile", "anonymous", "addressing_style"})
+        {"endpoint_override", "region", "scheme", "profile", "anonymous", "addressing_style", *S3Controls.QUERY})
     endpoint_url: str | None = None
     region: str | None = None
     profile: str | None = None
@@ -38,6 +39,8 @@ class S3Options:
     if_absent_mode: str = "auto"
     digest_records: bool = True
     """Record the digest after the data (``stores.s3.records``); off: objects only, hashed before their upload."""
+    controls: S3Controls = field(default_factory=S3Controls)
+    """Encryption and bucket policies every request honours (``stores.s3.controls``)."""
 
     @classmethod
     def from_uri(cls, uri: StorageURI, env: Mapping[str, str] = os.environ) -> S3Options:
@@ -59,13 +62,14 @@ class S3Options:
             read_timeout=float(env.get("FASTCKPT_S3_READ_TIMEOUT", "60")),
             if_absent_mode=env.get("FASTCKPT_S3_IF_ABSENT", "auto").strip().lower(),
             digest_records=env_flag("FASTCKPT_S3_DIGEST_RECORDS", True, env),
+            controls=S3Controls.from_options(opts, env),
         )
 
     def query(self) -> dict[str, str]:
         """URI options that give these options back (with the same environment)."""
         pairs = {"endpoint_override": self.endpoint_url, "region": self.region, "profile": self.profile,
                  "anonymous": "true" if self.anonymous else None, "addressing_style": self.addressing_style,
-                 "scheme": None if self.use_ssl else "http"}
+                 "scheme": None if self.use_ssl else "http", **self.controls.query()}
         return {k: v for k, v in pairs.items() if v}
 
     @property
