@@ -6,6 +6,7 @@ import functools
 import os
 import re
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
@@ -75,6 +76,12 @@ class StorageURI:
         key = self.key.replace("%", "%25").replace("#", "%23").replace("?", "%3F")  # parses back to self.key
         scheme = "az" if self.backend == "azure" and self.scheme in ("http", "https") else self.scheme
         return f"{scheme}://{self.bucket}/{key}".rstrip("/")
+
+
+def with_options(uri: str, options: Mapping[str, object]) -> str:
+    """``uri`` with ``options`` added to its query (booleans as ``true``/``false``; None left out)."""
+    given = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in options.items() if v is not None}
+    return uri + ("&" if "?" in uri else "?") + urlencode(given) if given else uri
 
 
 def names_folder(uri: str | os.PathLike[str] | StorageURI) -> bool:

@@ -154,12 +154,16 @@ class FaultProxy(LoopServer):
                 writer.transport.abort()
 
     async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, fault: Fault | None,
-                    pair: tuple[asyncio.StreamWriter, asyncio.StreamWriter], direction: str) -> None:
-        """Copy ``src`` to ``dst``, applying ``fault`` once ``fault.after`` bytes have passed."""
+                    pair: tuple[asyncio.StreamWriter, asyncio.StreamWriter], direction: str,
+                    seen: Callable[[bytes], None] | None = None) -> None:
+        """Copy ``src`` to ``dst``, applying ``fault`` once ``fault.after`` bytes have passed (``seen`` sees each
+        chunk)."""
         moved = 0
         try:
             while True:
                 data = await src.read(CHUNK)
+                if seen is not None:
+                    seen(data)
                 if not data:
                     if dst.can_write_eof():
                         dst.write_eof()
@@ -222,14 +226,13 @@ class FaultProxy(LoopServer):
         lines = [line for line in head.split(b"\r\n")[:-2]
                  if line.split(b":", 1)[0].strip().lower().decode("latin-1") not in self.strip | {"connection"}]
         upstream_w.write(b"\r\n".join([*lines, b"Connection: close", b"", b""]))
-        try:
-            start = await client_r.readexactly(min(BODY_SEEN, int(self.headers[-1].get("content-length", 0))))
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-            start = exc.partial if isinstance(exc, asyncio.IncompleteReadError) else b""
-        self.bodies[index] = start
-        upstream_w.write(start)
         pair = (client_w, upstream_w)
-        up = asyncio.ensure_future(self._pipe(client_r, upstream_w, None, pair, "up"))
+
+        def seen(data: bytes) -> None:
+            if len(self.bodies[index]) < BODY_SEEN:
+                self.bodies[index] += data[:BODY_SEEN - len(self.bodies[index])]
+
+        up = asyncio.ensure_future(self._pipe(client_r, upstream_w, None, pair, "up", seen))
         served = False
 
         def serve() -> None:  # the answer's last bytes are going out: served, as a server counts it

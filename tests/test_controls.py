@@ -130,9 +130,12 @@ def s3_expect_customer(kind: str, h: dict[str, str]) -> list[str]:
 
 
 @pytest.mark.parametrize("mode", ["kms", "customer"])
-async def test_s3_controls_on_every_request_class(moto_server, s3_uri: str, tmp_path: Path, mode: str) -> None:
+async def test_s3_controls_on_every_request_class(moto_server, s3_uri: str, tmp_path: Path, mode: str,
+                                                  caplog) -> None:
     """SSE-KMS (key, bucket key), storage class, tags, requester pays and the expected owner on the requests that
-    take them; or SSE-C on every request that touches an object's bytes, copies' sources included."""
+    take them; or SSE-C on every request that touches an object's bytes, copies' sources included (and the key in
+    no debug line: botocore's included)."""
+    caplog.set_level(logging.DEBUG)
     options = ({"server_side_encryption": "aws:kms", "sse_kms_key_id": "alias/ck", "bucket_key_enabled": "true",
                 "storage_class": "STANDARD_IA", "tagging": "team%3Dml%26run%3D7", "request_payer": "requester",
                 "expected_bucket_owner": "111122223333"} if mode == "kms" else {"sse_customer_key": KEY})
@@ -140,8 +143,11 @@ async def test_s3_controls_on_every_request_class(moto_server, s3_uri: str, tmp_
         proxy.throttle(1000)  # records each request; throttles none
         uri = with_options(s3_uri.replace(moto_server.endpoint, proxy.url), **options)
         await every_request_class(uri, tmp_path)
+        async with open_store(uri, small_config()) as store:  # metadata only botocore sends: the SDK's requests
+            await store.put(f"{parse_uri(uri).key}/sdk.bin", b"x", metadata={"note": "a\tb"})
     kinds = checked(recorded(proxy), s3_kind, s3_expect_kms if mode == "kms" else s3_expect_customer)
     assert kinds >= S3_OF_OBJECT | {"Bucket"}, kinds
+    assert KEY not in caplog.text
 
 
 async def test_moto_records_sse_kms_on_whole_and_multipart_writes(moto_server, s3_uri: str, tmp_path: Path) -> None:
@@ -309,3 +315,28 @@ def account_sas() -> str:
     return generate_account_sas(EMULATOR_ACCOUNT, EMULATOR_KEY, ResourceTypes(service=True, container=True,
                                 object=True), AccountSasPermissions(read=True, write=True, delete=True, list=True,
                                 add=True, create=True), datetime.now(timezone.utc) + timedelta(hours=1))
+
+
+def test_the_faces_pass_controls_through(moto_server, s3_uri: str) -> None:
+    """The pyarrow facade's constructor, fsspec's storage options and DCP's (s3fs's names included) take the same
+    options as a URI."""
+    import fsspec
+
+    from fastckpt.fs import filesystem
+    from fastckpt.torch.dcp_location import storage_query
+
+    import boto3
+
+    loc = parse_uri(s3_uri)
+    facade = filesystem(s3_uri, server_side_encryption="aws:kms", sse_kms_key_id="alias/ck")
+    with facade.open_output_stream(f"{loc.bucket}/{loc.key}/f") as out:
+        out.write(b"x" * 100)
+    client = boto3.client("s3", endpoint_url=moto_server.endpoint, region_name="us-east-1")
+    assert client.head_object(Bucket=loc.bucket, Key=f"{loc.key}/f")["ServerSideEncryption"] == "aws:kms"
+    fs = fsspec.filesystem("fastckpt", storage_class="STANDARD_IA", skip_instance_cache=True)
+    assert fs.options["storage_class"] == "STANDARD_IA"
+    assert storage_query({"requester_pays": True, "s3_additional_kwargs": {
+        "ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "alias/ck"}}) == {
+        "request_payer": "requester", "server_side_encryption": "aws:kms", "sse_kms_key_id": "alias/ck"}
+    with pytest.raises(ValueError, match="s3_additional_kwargs.ACL"):
+        storage_query({"s3_additional_kwargs": {"ACL": "private"}})

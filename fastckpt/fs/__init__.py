@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ..config import TransferConfig
+from ..uri import with_options
 from .base import FastckptHandler, StoreWrapper, location
 from .copy import copy_files, install_copy_files_guard, pyarrow_copy_files
 from .files import InputFile, OutputStream
@@ -66,8 +67,10 @@ class FacadeFileSystem(pafs.PyFileSystem):
 
 
 def filesystem(uri: str, config: TransferConfig | None = None, *,
-               store_wrapper: StoreWrapper | None = None) -> pafs.FileSystem:
-    """A pyarrow filesystem for ``uri``'s backend (its bucket and key do not restrict paths)."""
+               store_wrapper: StoreWrapper | None = None, **options: object) -> pafs.FileSystem:
+    """A pyarrow filesystem for ``uri``'s backend (its bucket and key do not restrict paths). ``options``: store
+    options, as the URI's query takes them (``server_side_encryption="aws:kms"``, ``region=...``)."""
+    uri = with_options(uri, options)
     if location(uri).backend == "delegate":
         return pafs.FileSystem.from_uri(uri)[0]
     return FacadeFileSystem(handler(uri, config, store_wrapper=store_wrapper))

@@ -6,7 +6,16 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import logging
 from collections.abc import Mapping
+
+OPTIONS = {
+    "s3": ("server_side_encryption", "sse_kms_key_id", "sse_kms_encryption_context", "bucket_key_enabled",
+           "sse_customer_key", "request_payer", "storage_class", "tagging", "expected_bucket_owner"),
+    "gcs": ("kms_key_name", "encryption_key", "user_project", "storage_class"),
+    "azure": ("encryption_scope", "customer_key", "access_tier"),
+}
+"""Each backend's control options, named as in its cloud's API in snake_case."""
 
 
 def read_options(names: tuple[str, ...], options: Mapping[str, str], env: Mapping[str, str],
@@ -36,3 +45,31 @@ def exclusive(values: Mapping[str, str], first: str, second: str, backend: str) 
     if values[first] and values[second]:
         raise ValueError(f"{backend} options {first} and {second} exclude each other: an object is encrypted with a "
                          "key of the customer's or by the service, not both")
+
+
+class _Hidden(logging.Filter):
+    """Replaces the secrets it holds in every record of the logger it filters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.secrets: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if any(s in text for s in self.secrets):
+            for secret in self.secrets:
+                text = text.replace(secret, "REDACTED")
+            record.msg, record.args = text, ()
+        return True
+
+
+_HIDDEN = _Hidden()
+
+
+def hide_in_logs(secret: str, loggers: tuple[str, ...]) -> None:
+    """Keep ``secret`` out of what ``loggers`` log: an SDK's debug lines show the headers it signs and sends."""
+    _HIDDEN.secrets.add(secret)
+    for name in loggers:
+        logger = logging.getLogger(name)
+        if _HIDDEN not in logger.filters:
+            logger.addFilter(_HIDDEN)

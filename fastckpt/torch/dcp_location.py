@@ -9,7 +9,6 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode
 
 import torch
 from torch.futures import Future
@@ -18,7 +17,8 @@ from .._loop import BackgroundLoop
 from ..config import TransferConfig
 from ..engine.open_stores import store_for
 from ..stores.base import Store
-from ..uri import StorageURI, parse_uri
+from ..stores.controls import OPTIONS as CONTROLS
+from ..uri import StorageURI, parse_uri, with_options
 
 METADATA = ".metadata"
 
@@ -59,9 +59,15 @@ def _done(value: Any) -> Future:
 
 
 _FSSPEC_OPTIONS = {"endpoint_url": "endpoint_override", "anon": "anonymous", "profile": "profile",
-                   "project": "project", "account_name": "account"}
+                   "project": "project", "account_name": "account",
+                   **{n: n for names in CONTROLS.values() for n in names}}
 """fsspec storage options (s3fs, gcsfs, adlfs: what ``FsspecWriter(path, **storage_options)`` takes) and the URI
 option each is."""
+_S3FS_EXTRA = {"ServerSideEncryption": "server_side_encryption", "SSEKMSKeyId": "sse_kms_key_id",
+               "SSEKMSEncryptionContext": "sse_kms_encryption_context", "BucketKeyEnabled": "bucket_key_enabled",
+               "StorageClass": "storage_class", "Tagging": "tagging", "ExpectedBucketOwner": "expected_bucket_owner",
+               "RequestPayer": "request_payer"}
+"""s3fs's ``s3_additional_kwargs`` (botocore's names) and the URI option each is."""
 
 
 def storage_query(options: dict[str, Any]) -> dict[str, str]:
@@ -71,6 +77,11 @@ def storage_query(options: dict[str, Any]) -> dict[str, str]:
     for key, name in (("endpoint_url", "endpoint_url"), ("region_name", "region")):
         if key in client:
             flat[name] = client.pop(key)
+    extra = dict(flat.pop("s3_additional_kwargs", None) or {})  # s3fs: botocore's parameter names
+    flat |= {_S3FS_EXTRA[k]: extra.pop(k) for k in list(extra) if k in _S3FS_EXTRA}
+    if flat.pop("requester_pays", False):
+        flat["request_payer"] = "requester"
+    client |= {f"s3_additional_kwargs.{k}": v for k, v in extra.items()}
     unknown = sorted(k for k in flat if k not in _FSSPEC_OPTIONS and k != "region") + sorted(client)
     if unknown:
         raise ValueError(f"storage options {unknown} are not taken by fastckpt: credentials come from the environment "
@@ -91,9 +102,7 @@ class _Location:
         if self.uri is None:
             raise ValueError(f"fastckpt.torch.dcp.{type(self).__name__} needs a checkpoint URI "
                              "(path, uri= or checkpoint_id=)")
-        if not self.storage_options:
-            return parse_uri(self.uri)
-        return parse_uri(self.uri + ("&" if "?" in self.uri else "?") + urlencode(self.storage_options))
+        return parse_uri(with_options(self.uri, self.storage_options))
 
     def _where(self) -> tuple[StorageURI, TransferConfig]:
         """The checkpoint's URI and the config (the given one, else the environment's)."""

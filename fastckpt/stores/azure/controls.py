@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
-from ..controls import customer_key, exclusive, key_digest, read_options
+from ..controls import OPTIONS, customer_key, exclusive, key_digest, read_options
 
 TIERS = ("Hot", "Cool", "Cold", "Archive")
 
@@ -24,7 +24,7 @@ TIERS = ("Hot", "Cool", "Cold", "Archive")
 class AzureControls:
     """A container's requirements (see the module doc); the default requires nothing."""
 
-    QUERY: ClassVar[tuple[str, ...]] = ("encryption_scope", "customer_key", "access_tier")
+    QUERY: ClassVar[tuple[str, ...]] = OPTIONS["azure"]
     encryption_scope: str = ""
     customer_key: str = field(default="", repr=False)
     """Base64 of a 256-bit key: a secret, never shown, never written into a URI."""

@@ -14,14 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
-from ..controls import customer_key, exclusive, key_digest, read_options
+from ..controls import OPTIONS, customer_key, exclusive, key_digest, read_options
 
 
 @dataclass(frozen=True)
 class GCSControls:
     """A bucket's requirements (see the module doc); the default requires nothing."""
 
-    QUERY: ClassVar[tuple[str, ...]] = ("kms_key_name", "encryption_key", "user_project", "storage_class")
+    QUERY: ClassVar[tuple[str, ...]] = OPTIONS["gcs"]
     kms_key_name: str = ""
     encryption_key: str = field(default="", repr=False)
     """Base64 of a 256-bit key: a secret, never shown, never written into a URI."""

@@ -20,6 +20,7 @@ from urllib.parse import quote, urlsplit
 from ...errors import StoreError
 from ...http import Response
 from ...transport import Buffer, FileRange, Pieces, Receiver
+from ..controls import hide_in_logs
 from ..datapath import DataPath
 from .answers import timestamp
 from .controls import S3Controls, operation_of
@@ -139,6 +140,8 @@ class S3Client:
             "s3", region_name=region, endpoint_url=opts.endpoint_url, use_ssl=opts.use_ssl, config=config))
         if opts.controls != S3Controls():
             client.meta.events.register("before-sign.s3", self._controlled)
+            if opts.controls.sse_customer_key:  # botocore's debug lines show the headers it signs and sends
+                hide_in_logs(opts.controls.sse_customer_key, ("botocore.auth", "botocore.endpoint"))
         return client
 
     def _controlled(self, request: Any, operation_name: str, **_: Any) -> None:

@@ -20,7 +20,7 @@ from typing import ClassVar
 from urllib.parse import parse_qsl
 
 from ...config import parse_bool
-from ..controls import customer_key, exclusive, key_digest, read_options
+from ..controls import OPTIONS, customer_key, exclusive, key_digest, read_options
 
 ENCRYPTIONS = ("AES256", "aws:kms", "aws:kms:dsse")
 WRITES = frozenset({"PutObject", "CreateMultipartUpload", "CopyObject"})
@@ -34,9 +34,7 @@ OF_OBJECT = WRITES | COPIES | {"UploadPart", "CompleteMultipartUpload", "GetObje
 class S3Controls:
     """A bucket's requirements (see the module doc); the default requires nothing."""
 
-    QUERY: ClassVar[tuple[str, ...]] = (
-        "server_side_encryption", "sse_kms_key_id", "sse_kms_encryption_context", "bucket_key_enabled",
-        "sse_customer_key", "request_payer", "storage_class", "tagging", "expected_bucket_owner")
+    QUERY: ClassVar[tuple[str, ...]] = OPTIONS["s3"]
     server_side_encryption: str = ""
     sse_kms_key_id: str = ""
     sse_kms_encryption_context: str = ""
