@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import logging
 import threading
 from collections.abc import Coroutine
@@ -63,8 +64,10 @@ class BackgroundLoop:
         result: concurrent.futures.Future[T] = concurrent.futures.Future()  # done once the task has ended
         tasks: list[asyncio.Task[T]] = []
 
+        context = contextvars.copy_context()  # what the caller observes (``stats.observe``) sees the call
+
         def start() -> None:
-            tasks.append(self.loop.create_task(coro))
+            tasks.append(context.run(self.loop.create_task, coro))
             tasks[0].add_done_callback(finish)
 
         def finish(task: asyncio.Task[T]) -> None:

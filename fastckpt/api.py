@@ -8,6 +8,7 @@ import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from . import stats
 from ._loop import BackgroundLoop
 from .checkpoint.base import base_objects
 from .checkpoint.catalog import latest_async as catalog_latest
@@ -30,6 +31,7 @@ from .uri import StorageURI, join_key, names_folder
 PathLike = str | os.PathLike[str]
 
 
+@stats.summarized("upload")
 async def upload_async(
     src: PathLike, dst: str | StorageURI, *, config: TransferConfig | None = None,
     progress: ProgressCallback | None = None, base: str | StorageURI | None = None,
@@ -50,7 +52,8 @@ async def upload_async(
     target = target_of(dst)
     config = config or TransferConfig.from_env()
     async with store_for(target, config) as store:
-        pairs = await upload_pairs(retrying(store, config), src, dst, target, filters)
+        with stats.stage("listing"):
+            pairs = await upload_pairs(retrying(store, config), src, dst, target, filters)
         transfer = Transfer(store, config, progress)
         try:
             bases = {} if base is None else await base_objects(store, target, base, [k for _, k in pairs])
@@ -100,6 +103,7 @@ def file_path(dst: str, name: str) -> str:
     return os.path.join(dst, name) if os.path.isdir(dst) or dst.endswith(("/", os.sep)) else dst
 
 
+@stats.summarized("download")
 async def download_async(
     src: str | StorageURI, dst: PathLike, *, config: TransferConfig | None = None,
     progress: ProgressCallback | None = None, raw: bool = False, filters: Sequence[tuple[str, str]] = (),
@@ -116,7 +120,8 @@ async def download_async(
     config = config or TransferConfig.from_env()
     source, selection = source_of(src, filters)
     async with store_for(source, config) as store:
-        plan = await _plan_download(store, source, os.fspath(dst), selection, raw)
+        with stats.stage("listing"):
+            plan = await _plan_download(store, source, os.fspath(dst), selection, raw)
         transfer = Transfer(store, config, progress)
         try:
             results = await transfer.download_files(plan.pairs, sizes=plan.sizes, metas=plan.metas) \

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from . import stats
 from .errors import IntegrityError
 from .fileio import read_exact
 from .native import native as _native
@@ -34,12 +35,13 @@ def hash_chunk(data: bytes | bytearray | memoryview) -> bytes:
 
 def hash_chunks(data: bytes | bytearray | memoryview, chunk_size: int) -> list[bytes]:
     """Digests of ``data`` cut into ``chunk_size`` pieces (the last may be shorter)."""
-    if _native is not None:
-        return _native.xxh3_128_chunks(data, chunk_size)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
-    view = memoryview(data)
-    return [xxhash.xxh3_128_digest(view[i : i + chunk_size]) for i in range(0, len(view), chunk_size)]
+    with stats.stage("hashing"):
+        if _native is not None:
+            return _native.xxh3_128_chunks(data, chunk_size)
+        view = memoryview(data)
+        return [xxhash.xxh3_128_digest(view[i : i + chunk_size]) for i in range(0, len(view), chunk_size)]
 
 
 class ChunkHasher:
@@ -54,6 +56,10 @@ class ChunkHasher:
 
     def update(self, data: memoryview) -> None:
         """Hash the next ``len(data)`` bytes (xxhash releases the GIL while it hashes)."""
+        with stats.stage("hashing"):
+            self._update(data)
+
+    def _update(self, data: memoryview) -> None:
         pos = 0
         while pos < len(data):
             take = min(len(data) - pos, self.chunk_size - self._filled)
@@ -75,11 +81,13 @@ class ChunkHasher:
 
 
 def read_and_hash(fd: int, offset: int, buf: memoryview) -> bytes:
-    """Fill ``buf`` from ``fd`` at ``offset`` (all of it, or raise) and return its digest."""
-    if _native is not None:
-        return _native.read_and_hash(fd, offset, buf)
-    read_exact(fd, offset, buf)
-    return xxhash.xxh3_128_digest(buf)
+    """Fill ``buf`` from ``fd`` at ``offset`` (all of it, or raise) and return its digest (the read counts as
+    hashing: the two are one pass)."""
+    with stats.stage("hashing"):
+        if _native is not None:
+            return _native.read_and_hash(fd, offset, buf)
+        read_exact(fd, offset, buf)
+        return xxhash.xxh3_128_digest(buf)
 
 
 def combine(chunk_digests: list[bytes]) -> str:

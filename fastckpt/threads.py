@@ -4,6 +4,7 @@ and socket threads that move a body between a socket and a file. Imports nothing
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import os
 import threading
@@ -74,7 +75,8 @@ async def off_loop(fn: Callable[..., T], *args: object, undo: Callable[[T], obje
     stopped, and the file descriptors and buffers it uses are closed or released by the caller's clean-up.
     What ``fn`` returned to a caller cancelled meanwhile goes to ``undo`` (e.g. a file descriptor to close).
     """
-    job = asyncio.get_running_loop().run_in_executor(_IO, functools.partial(fn, *args))
+    job = asyncio.get_running_loop().run_in_executor(  # in the caller's context: its summaries count the work
+        _IO, contextvars.copy_context().run, functools.partial(fn, *args))
     try:
         return await asyncio.shield(job)
     except asyncio.CancelledError:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import cast
 
+from .. import stats
 from ..config import TransferConfig
 from ..errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
 from ..integrity import FileDigest
@@ -128,7 +129,8 @@ class Commit(abc.ABC):
                         tb: TracebackType | None) -> None:
         try:
             if exc is None:
-                await self._commit()
+                with stats.stage("committing"):
+                    await self._commit()
             elif isinstance(exc, Exception):
                 await self._report_failure(exc)
         finally:
@@ -142,15 +144,19 @@ class Commit(abc.ABC):
         if not self.barrier.stores_payloads:
             await self._write_own(rank_key(rv.prefix, attempt, self.rank), data)
         if self.rank == 0:
-            outcome, error = await self._root_decide(await self._root_gather(data))
+            with stats.stage("barrier"):
+                payloads = await self._root_gather(data)
+            outcome, error = await self._root_decide(payloads)
             await self.barrier.broadcast(rv, attempt, json.dumps(outcome).encode())
             if error is not None:
                 raise error
             outcome.pop("marker", None)
         else:
-            await self.barrier.gather(rv, attempt, data)
+            with stats.stage("barrier"):
+                await self.barrier.gather(rv, attempt, data)
             try:
-                outcome = json.loads(await self.barrier.broadcast(rv, attempt, None))
+                with stats.stage("barrier"):
+                    outcome = json.loads(await self.barrier.broadcast(rv, attempt, None))
             except BarrierError:
                 found = await self._outcome_from_marker()
                 if found is None:

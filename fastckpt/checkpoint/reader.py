@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import stats
 from ..config import TransferConfig
 from ..engine.paths import paths_below
 from ..engine.progress import ProgressCallback
@@ -212,6 +213,7 @@ async def open_checkpoint_async(uri: str | StorageURI, *, allow_uncommitted: boo
     return await with_store(uri, config, run)
 
 
+@stats.summarized("download_checkpoint")
 async def download_checkpoint_async(
     uri: str | StorageURI, dst: str | os.PathLike[str], *, allow_uncommitted: bool = False,
     config: TransferConfig | None = None, progress: ProgressCallback | None = None, group: Any = None,
@@ -250,6 +252,7 @@ def corrupt_error(base: StorageURI, ckpt: Checkpoint) -> CheckpointError:
                                                                              for p in ckpt.problems))
 
 
+@stats.summarized("verify")
 async def verify_async(uri: str | StorageURI, *, allow_uncommitted: bool = False,
                        config: TransferConfig | None = None, progress: ProgressCallback | None = None
                        ) -> VerifyReport:

@@ -11,6 +11,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from .. import stats
 from ..errors import FastckptError
 from .commands import COMMANDS, config_of
 from .parser import LOG_LEVELS, bench_root
@@ -67,7 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        out = COMMANDS[args.command](args)
+        with stats.observe(args.command) as summary:
+            out = COMMANDS[args.command](args)
     except BrokenPipeError:  # the reader went away (`fastckpt cat ... | head`): as cat does, quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
@@ -81,9 +83,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               "it", file=sys.stderr)
         return 143 if by == "SIGTERM" else 130
     if args.json:
+        out = {**out, "stats": summary.as_dict()} if args.stats else out
         print(json.dumps(out, indent=2, default=str), file=sys.stderr if args.command == "cat" else sys.stdout)
     else:
         show(args.command, out, args)
+        if args.stats:
+            print(summary, file=sys.stderr)
     ok = out.get("ok", True) if args.command == "verify" else out.get("verified", True)
     return 0 if ok else 1
 

@@ -173,6 +173,10 @@ def cmd_agent(args: argparse.Namespace) -> Result:
     from ..tier.handoff import handoffs
 
     tier = Tier(args.tier, args.keep)
+    if args.metrics_port is not None and not args.status:
+        from ..monitoring import serve
+
+        serve(args.metrics_port, args.metrics_addr, tier=tier)
     served = False if args.status else run_agent(tier, args.idle, config_of(args), args.lock_fd)
     return {"tier": tier.root, "served": served, "agent_pid": agent_pid(tier), "pending": len(tier.pending()),
             "oldest_queued_s": oldest_queued_s(tier), "handed": len(handoffs(tier)), "failed": tier.failures(),

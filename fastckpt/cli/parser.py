@@ -43,6 +43,8 @@ class Filter(argparse.Action):
 def _common() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    common.add_argument("--stats", action="store_true", help="print where the time went: requests by method, bytes, "
+                        "retries and throttling, time per stage (with --json: a \"stats\" object)")
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     common.add_argument("--progress", action="store_true", help="show a progress bar even when not on a terminal")
     common.add_argument("--part-size", type=parse_size, default=None, help="part size, e.g. 32MiB")
@@ -132,6 +134,11 @@ def build_parser(bench: bool = False) -> argparse.ArgumentParser:
     agent.add_argument("--idle", type=float, default=IDLE_S, help=f"seconds with nothing queued before exiting "
                        f"({IDLE_S:g}; inf: never, for an agent run as a supervised service)")
     agent.add_argument("--status", action="store_true", help="only report the queue, failures and copies")
+    agent.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                       help="serve Prometheus metrics (queue depth, oldest entry's age, drained bytes, failures, "
+                       "requests) on http://ADDR:PORT/metrics while the agent runs")
+    agent.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                       help="address the metrics are served on (127.0.0.1; 0.0.0.0 for a scraper on another host)")
     agent.add_argument("--lock-fd", type=int, default=None, help=argparse.SUPPRESS)  # handed over by ensure_agent
     demo = verb("demo", "upload and download a synthetic checkpoint on the local disk, with timings")
     demo.add_argument("--size", default="1GiB", help="checkpoint size (default 1GiB)")

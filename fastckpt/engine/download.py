@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 
+from .. import otel, stats
 from ..errors import IntegrityError, StoreError
 from ..fileio import write_at
 from ..integrity import FileDigest, combine, hash_chunks
@@ -37,8 +38,9 @@ class Downloads(TransferSession):
         sizes = {**(sizes or {}), **{k: m.size for k, m in metas.items()}}
         batch = sum(expected[k].size if k in expected else sizes.get(k, 0) for k, _ in pairs)
         failed = asyncio.Event()  # set when one file failed: the others are then cancelled, not interrupted
-        return await gather_all((self._download(k, p, expected.get(k), sizes.get(k), failed, batch, metas.get(k))
-                                 for k, p in pairs), failed)
+        with stats.stage("receiving"):
+            return await gather_all((self._download(k, p, expected.get(k), sizes.get(k), failed, batch, metas.get(k))
+                                     for k, p in pairs), failed)
 
     async def download_file(self, key: str, path: str, expected: FileDigest | None = None) -> FileResult:
         """Download one object to ``path`` (written beside it, verified, then renamed into place)."""
@@ -47,16 +49,24 @@ class Downloads(TransferSession):
     async def _download(self, key: str, path: str, expected: FileDigest | None, size: int | None,
                         failed: asyncio.Event, batch: int = 0, meta: ObjectMeta | None = None) -> FileResult:
         async with self._files:
-            size = expected.size if expected is not None else size
-            if meta is not None and meta.size > self.config.part_size:
-                return await self._write(key, path, meta, expected, failed, batch=batch)
-            if (size is not None and 0 < size <= self.config.part_size
-                    and self.store.local_file(key) is None):  # one GET: the object and its metadata (local: a copy)
-                async with self.pool.buffer(size) as buf:
-                    meta, n = await self.store.read_with_meta(key, buf)
-                    if n == meta.size:
-                        return await self._write(key, path, meta, expected, failed, data=buf[:n])
-            return await self._write(key, path, await self.store.head(key), expected, failed, batch=batch)
+            with otel.span("fastckpt.download_file", **{"fastckpt.key": key}):
+                result = await self._download_one(key, path, expected, size, failed, batch, meta)
+        stats.moved(result.digest.size)
+        return result
+
+    async def _download_one(self, key: str, path: str, expected: FileDigest | None, size: int | None,
+                            failed: asyncio.Event, batch: int, meta: ObjectMeta | None) -> FileResult:
+        """``_download``'s work: one GET with the metadata for a small object, else a HEAD and ranged reads."""
+        size = expected.size if expected is not None else size
+        if meta is not None and meta.size > self.config.part_size:
+            return await self._write(key, path, meta, expected, failed, batch=batch)
+        if (size is not None and 0 < size <= self.config.part_size
+                and self.store.local_file(key) is None):  # one GET: the object and its metadata (local: a copy)
+            async with self.pool.buffer(size) as buf:
+                meta, n = await self.store.read_with_meta(key, buf)
+                if n == meta.size:
+                    return await self._write(key, path, meta, expected, failed, data=buf[:n])
+        return await self._write(key, path, await self.store.head(key), expected, failed, batch=batch)
 
     async def _write(self, key: str, path: str, meta: ObjectMeta, expected: FileDigest | None, failed: asyncio.Event,
                      *, data: memoryview | None = None, batch: int = 0) -> FileResult:

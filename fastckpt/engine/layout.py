@@ -14,6 +14,7 @@ import bisect
 import itertools
 from collections.abc import Iterable
 
+from .. import otel, stats
 from ..errors import AlreadyExistsError, IntegrityError
 from ..integrity import ChunkHasher, FileDigest, combine, hash_chunks
 from ..stores.base import PartInfo, Store
@@ -94,6 +95,15 @@ async def upload_layout(transfer: Transfer, layout: Layout, key: str, *, if_abse
     store from ``base`` where it holds the same bytes (``engine.reuse``); a failed multipart upload is aborted.
     With ``if_absent``, an object already at ``key`` fails the upload (AlreadyExistsError) unless it holds
     exactly these bytes."""
+    with stats.stage("sending"), otel.span("fastckpt.upload_file", **{"fastckpt.key": key,
+                                                                      "fastckpt.size": layout.size}):
+        sent = await _upload_layout(transfer, layout, key, if_absent, chunks, base)
+    stats.moved(layout.size)
+    return sent
+
+
+async def _upload_layout(transfer: Transfer, layout: Layout, key: str, if_absent: bool, chunks: list[bytes] | None,
+                         base: BaseObject | None) -> tuple[FileDigest, list[bytes]]:
     store, config = transfer.store, transfer.config
     plan = plan_upload(layout.size, config, store)
     chunks = chunks if chunks is not None else await hash_layout(layout, plan.part_size)
@@ -180,7 +190,9 @@ async def read_layout(transfer: Transfer, key: str, start: int, layout: Layout, 
         transfer.progress.advance(length)
         return digests
 
-    parts = await gather_all(one(o) for o in range(0, layout.size, part))
+    with stats.stage("receiving"):
+        parts = await gather_all(one(o) for o in range(0, layout.size, part))
+    stats.moved(layout.size, files=0)
     return [d for p in parts for d in p]
 
 

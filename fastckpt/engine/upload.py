@@ -12,6 +12,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .. import otel, stats
 from ..errors import AlreadyExistsError, IntegrityError, ObjectNotFoundError, StoreError
 from ..fileio import read_exact
 from ..integrity import FileDigest, combine, hash_chunks, read_and_hash
@@ -70,9 +71,10 @@ class Uploads(TransferSession):
                 sizes.append(0)  # gone: left out when it cannot be opened either
         self.progress.expect(sum(sizes))
         failed = asyncio.Event()  # set when one file failed: the others are then cancelled, not interrupted
-        results = await gather_all((self._upload_counted(p, k, if_absent, failed, size, sum(sizes), bases.get(k),
-                                                         snapshot) for (p, k), size in zip(pairs, sizes, strict=True)),
-                                   failed)
+        with stats.stage("sending"):
+            results = await gather_all((self._upload_counted(p, k, if_absent, failed, size, sum(sizes),
+                                                             bases.get(k), snapshot)
+                                        for (p, k), size in zip(pairs, sizes, strict=True)), failed)
         return [r for r in results if r is not None]
 
     async def upload_file(self, path: str, key: str, *, if_absent: bool = False) -> FileResult:
@@ -83,19 +85,26 @@ class Uploads(TransferSession):
                               batch: int, base: BaseObject | None, snapshot: bool) -> FileResult | None:
         """The upload of ``path``; None when a snapshot finds it gone."""
         async with self._files:
-            for read in range(1, SNAPSHOT_READS + 1):
-                try:
-                    taken = await self._upload_opened(path, key, if_absent, failed, size, batch, base, snapshot)
-                    if taken is None:
-                        return None
-                    digest, chunks = taken
-                    break
-                except SourceChanged as exc:
-                    if not snapshot:
-                        raise
-                    if read == SNAPSHOT_READS:
-                        raise SourceChanged(f"{exc}, at each of {read} reads") from None
-                    log.info("%s; reading it again", exc)
+            with otel.span("fastckpt.upload_file", **{"fastckpt.key": key, "fastckpt.size": size}):
+                return await self._upload_one(path, key, if_absent, failed, size, batch, base, snapshot)
+
+    async def _upload_one(self, path: str, key: str, if_absent: bool, failed: asyncio.Event, size: int,
+                          batch: int, base: BaseObject | None, snapshot: bool) -> FileResult | None:
+        """``_upload_counted``'s work: the file read again while a snapshot finds it changing."""
+        for read in range(1, SNAPSHOT_READS + 1):
+            try:
+                taken = await self._upload_opened(path, key, if_absent, failed, size, batch, base, snapshot)
+                if taken is None:
+                    return None
+                digest, chunks = taken
+                break
+            except SourceChanged as exc:
+                if not snapshot:
+                    raise
+                if read == SNAPSHOT_READS:
+                    raise SourceChanged(f"{exc}, at each of {read} reads") from None
+                log.info("%s; reading it again", exc)
+        stats.moved(digest.size)
         return FileResult(key, path, digest, tuple(chunks), self.reuse.copied.get(key, 0))
 
     async def _upload_opened(self, path: str, key: str, if_absent: bool, failed: asyncio.Event, size: int,

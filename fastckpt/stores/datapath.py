@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+import time
 from collections.abc import Sequence
+from typing import Any
 
+from .. import otel, stats
 from ..errors import StoreError
 from ..http import HttpClient, Response
-from ..transport import Body, Receiver
+from ..transport import Body, Receiver, body_size
 from .classify import unreachable
 
 NO_ANSWER = (ConnectionError, asyncio.TimeoutError, TimeoutError, socket.gaierror, ssl.SSLError)
@@ -62,10 +65,18 @@ class DataPath:
     async def request(self, method: str, target: str, headers: dict[str, str], *, where: str, key: str | None = None,
                       body: Body | Sequence[Body] | None = None, into: Receiver | None = None) -> Response:
         """``HttpClient.request``; a request that got no answer raises the fastckpt error for it (``failure``)."""
+        up, status, begun = _size(body), None, time.monotonic()
+        stats.started()
         try:
-            resp = await self.client.request(method, target, headers, body=body, into=into)
+            with otel.request_span(method, self.service, target):
+                resp = await self.client.request(method, target, headers, body=body, into=into)
+            status = resp.status
         except NO_ANSWER as exc:
             raise self.failure(exc, where, key) from exc
+        finally:
+            stats.started(-1)
+            stats.request(method, self.service, up, 0 if status is None else resp.received or len(resp.body),
+                          time.monotonic() - begun, status)
         self.connected = True
         return resp
 
@@ -99,3 +110,41 @@ def ranged(resp: Response, start: int, where: str, shown: str) -> int:
         return resp.received
     raise StoreError(f"{where}: endpoint {shown} ignored the Range header "
                      f"(answered {resp.status} {resp.headers.get('content-range', '')})")
+
+
+def _size(body: Body | Sequence[Body] | None) -> int:
+    """Bytes of a request body (one, or a sequence of pieces sent one after another)."""
+    if body is None:
+        return 0
+    return sum(body_size(b) for b in body) if isinstance(body, list) else body_size(body)  # type: ignore[arg-type]
+
+
+def counting_trace(service: str) -> Any:
+    """An aiohttp ``TraceConfig`` that counts an SDK session's requests in ``fastckpt.stats`` as the data path counts
+    its own (method, body bytes each way, time, status)."""
+    import aiohttp
+
+    trace = aiohttp.TraceConfig()
+
+    async def start(_: Any, ctx: Any, params: Any) -> None:
+        ctx.begun, ctx.up = time.monotonic(), 0
+        stats.started()
+
+    async def sent(_: Any, ctx: Any, params: Any) -> None:
+        ctx.up += len(params.chunk)
+
+    async def received(_: Any, ctx: Any, params: Any) -> None:  # the body is read after the request has ended
+        stats.received(service, len(params.chunk))
+
+    async def end(_: Any, ctx: Any, params: Any) -> None:
+        stats.started(-1)
+        response = getattr(params, "response", None)
+        stats.request(params.method, service, ctx.up, 0, time.monotonic() - ctx.begun,
+                      response.status if response else None)
+
+    trace.on_request_start.append(start)
+    trace.on_request_chunk_sent.append(sent)
+    trace.on_response_chunk_received.append(received)
+    trace.on_request_end.append(end)
+    trace.on_request_exception.append(end)
+    return trace

@@ -33,6 +33,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+from .. import stats
 from ..config import TransferConfig
 from ..errors import ThrottledError, TransientStoreError
 from ..transport import Buffer, FileRange, Pieces, Receiver, body_size
@@ -76,6 +77,7 @@ async def with_retries(op: Callable[[], Awaitable[T]], config: TransferConfig, w
                                           status=getattr(exc, "status", None)) from exc
             delay = backoff(config, attempt)
             log.debug("retrying %s in %.2fs after %s", what, delay, exc)
+            stats.retried(exc)
             attempt += 1
             await asyncio.sleep(delay)
 
@@ -157,7 +159,9 @@ class RetryingStore(Store):
             try:
                 result = await op()
             except ThrottledError:
+                before = limit.limit
                 limit.throttled(granted)
+                stats.throttled(before, limit.limit)
                 raise
             else:
                 limit.succeeded(nbytes, time.monotonic() - started)

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 
+from .. import otel, stats
 from ..config import TransferConfig
 from ..engine.open_stores import store_for
 from ..errors import CheckpointError, IntegrityError
@@ -41,6 +42,8 @@ POLL_S = 0.05
 RETRY_S = (1.0, 30.0)
 """First and longest pause before retrying a drain that failed for a reason that may pass."""
 DRAINS = 4
+DRAINED = {"bytes": 0, "checkpoints": 0}
+"""What this process's agent drained so far: file bytes sent to durable stores, checkpoints committed there."""
 """Queue entries drained at once."""
 COMMIT_POLL_S = (0.1, 1.0)
 """First and longest pause between looks at the durable store while other ranks' data is still missing."""
@@ -132,6 +135,10 @@ def _still_ours(tier: Tier, fd: int) -> bool:
 
 
 async def _serve(tier: Tier, idle: float, config: TransferConfig, fd: int) -> None:
+    otel.gauge("fastckpt.agent.queue.depth", "{checkpoint}", "Saves waiting in the tier's queue",
+               lambda: len(tier.pending()))
+    otel.gauge("fastckpt.agent.queue.oldest_age", "s", "Seconds the oldest queued save has waited",
+               lambda: oldest_queued_s(tier))
     running: dict[str, asyncio.Task[None]] = {}
     waits: dict[str, _Wait] = {}
     last_busy = time.monotonic()
@@ -190,8 +197,11 @@ async def _drain_entry(tier: Tier, path: str, entry: QueueEntry, config: Transfe
     """Drain one queue entry; it leaves the queue once its checkpoint is committed in the durable store (and drained
     copies beyond the newest ``keep`` go)."""
     try:
-        async with store_for(parse_uri(entry.durable), config) as store:
-            committed = await drain(entry, store, config, lambda: os.path.exists(path), upload=not wait.uploaded)
+        with stats.observe("drain", quiet=False) as summary:
+            async with store_for(parse_uri(entry.durable), config) as store:
+                committed = await drain(entry, store, config, lambda: os.path.exists(path),
+                                        upload=not wait.uploaded)
+        DRAINED["bytes"] += summary.file_bytes
     except (CheckpointError, IntegrityError) as exc:
         log.error("agent: giving up on %s: %s", path, exc)
         tier.record_failure(path, entry, exc)
@@ -209,6 +219,7 @@ async def _drain_entry(tier: Tier, path: str, entry: QueueEntry, config: Transfe
         return
     with contextlib.suppress(FileNotFoundError):
         os.remove(path)
+    DRAINED["checkpoints"] += 1
     log.info("agent: rank %d of %s drained and committed", entry.rank, entry.durable)
     tier.prune(entry.keep)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .. import stats
 from .._loop import BackgroundLoop
 from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..config import TransferConfig
@@ -57,6 +58,7 @@ def load(uri: str | StorageURI, *, state_dict: Any = None, device: str | torch.d
                                                tier=tier))
 
 
+@stats.summarized("load")
 async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: str | torch.device | None = None,
                      rank: int | None = None, world_size: int | None = None, config: TransferConfig | None = None,
                      staging: Staging | None = None, group: Any = None,

@@ -16,6 +16,7 @@ import posixpath
 
 import torch
 
+from .. import stats
 from .._loop import BackgroundLoop
 from ..checkpoint.documents import read_object
 from ..checkpoint.manifest import marker_key
@@ -43,6 +44,7 @@ def load_safetensors(uri: str | StorageURI, *, device: str | torch.device = "cpu
     return BackgroundLoop.get().run(load_safetensors_async(uri, device=device, dtype=dtype, config=config))
 
 
+@stats.summarized("load_safetensors")
 async def load_safetensors_async(uri: str | StorageURI, *, device: str | torch.device = "cpu",
                                  dtype: torch.dtype | None = None, config: TransferConfig | None = None
                                  ) -> dict[str, torch.Tensor]:

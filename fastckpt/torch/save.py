@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .. import stats
 from .._loop import BackgroundLoop
 from ..checkpoint.barrier import Barrier
 from ..checkpoint.commit import CommitResult
@@ -235,6 +236,7 @@ class _Place:
     overwrite: bool = False
 
 
+@stats.summarized("save")
 async def _commit(files: list[tuple[str, Layout]], p: _Place, spares: list[tuple[str, int]] | None = None,
                   after: Callable[[], Awaitable[None]] | None = None) -> CommitResult:
     """Commit ``files``; into a tier, then ``after()`` (the replicas), and ready ``spares`` (name, size) for the next

@@ -25,7 +25,7 @@ from ...errors import CopyUnsupportedError, StoreError
 from ...http import Response
 from ...threads import off_loop
 from ...transport import Buffer
-from ..datapath import DataPath
+from ..datapath import DataPath, counting_trace
 from .errors import AzureErrors
 from .options import AzureOptions
 
@@ -123,7 +123,8 @@ class AzureClient:
 
             credential = self._credential = DefaultAzureCredential()
         connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0)
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=True)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=True,
+                                              trace_configs=[counting_trace("Azure")])
         transport = AioHttpTransport(session=self._session, session_owner=False,
                                      connection_timeout=self._timeouts[0], read_timeout=self._timeouts[1])
         self._client = ContainerClient(self.options.url, self.container, credential=credential,

@@ -26,7 +26,7 @@ from ...errors import AccessDeniedError, TransientStoreError
 from ...http import Response
 from ...threads import off_loop
 from ..classify import ErrorTable, classify, unreachable
-from ..datapath import DataPath
+from ..datapath import DataPath, counting_trace
 from .options import GCSOptions
 
 T = TypeVar("T")
@@ -94,7 +94,8 @@ class GCSClient:
         if self._storage is None:
             if self._session is None:
                 self._session = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=self._max_connections), timeout=self.timeout)
+                    connector=aiohttp.TCPConnector(limit=self._max_connections), timeout=self.timeout,
+                    trace_configs=[counting_trace("GCS")])
             anonymous = self.options.anonymous
             try:
                 if not anonymous:

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote, urlsplit
 
+from ... import stats
 from ...errors import StoreError
 from ...http import Response
 from ...transport import Buffer, FileRange, Pieces, Receiver
@@ -138,6 +139,7 @@ class S3Client:
         )
         client = await self._sdk_clients.enter_async_context(self._aio_session().create_client(
             "s3", region_name=region, endpoint_url=opts.endpoint_url, use_ssl=opts.use_ssl, config=config))
+        client.meta.events.register("before-send.s3", _counted)
         if opts.controls != S3Controls():
             client.meta.events.register("before-sign.s3", self._controlled)
             if opts.controls.sse_customer_key:  # botocore's debug lines show the headers it signs and sends
@@ -276,3 +278,9 @@ def _content_md5(request: Any, **_: Any) -> None:
     body = request.body if isinstance(request.body, bytes) else None
     if body is not None and "Content-MD5" not in request.headers:
         request.headers["Content-MD5"] = base64.b64encode(hashlib.md5(body).digest()).decode()
+
+
+def _counted(request: Any, **_: Any) -> None:
+    """Count a request of the SDK in ``fastckpt.stats`` (as the data path counts its own)."""
+    body = request.body
+    stats.request(request.method, "S3", len(body) if isinstance(body, (bytes, bytearray)) else 0)
