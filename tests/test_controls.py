@@ -211,7 +211,8 @@ def gcs_kind(method: str, target: str, headers: dict[str, str]) -> str:
 
 
 @pytest.mark.parametrize("mode", ["kms", "customer"])
-async def test_gcs_controls_on_every_request_class(gcs_server: str, gcs_uri: str, tmp_path: Path, mode: str) -> None:
+async def test_gcs_controls_on_every_request_class(gcs_server: str, gcs_uri: str, tmp_path: Path, mode: str,
+                                                   caplog) -> None:
     """CMEK and a storage class on what creates an object, a customer key (CSEK) on every object read and write,
     ``userProject`` on every request: requests of the data path, the SDK and its session alike."""
     options = ({"kms_key_name": "projects/p/locations/l/keyRings/r/cryptoKeys/k", "storage_class": "NEARLINE",
@@ -227,6 +228,7 @@ async def test_gcs_controls_on_every_request_class(gcs_server: str, gcs_uri: str
             problems.append("customer key")
         return problems
 
+    caplog.set_level(logging.DEBUG)
     with FaultProxy(urlsplit(gcs_server).port) as proxy:
         proxy.throttle(1000)
         uri = with_options(gcs_uri.replace(gcs_server, proxy.url), **options)
@@ -236,6 +238,7 @@ async def test_gcs_controls_on_every_request_class(gcs_server: str, gcs_uri: str
     assert not wrong, "\n".join(wrong)
     kinds = {gcs_kind(*line.split(" ")[:2], h) for line, h in zip(proxy.requests, proxy.headers, strict=True)}
     assert kinds >= {"upload", "compose", "media", "metadata", "list", "delete"}, kinds
+    assert KEY not in caplog.text
     if mode == "kms":  # the new objects' resource names the class: the emulator keeps an upload's, not a compose's
         loc = parse_uri(gcs_uri)
         url = f"{gcs_server}/storage/v1/b/{loc.bucket}/o/{quote(f'{loc.key}/small.bin', safe='')}"
@@ -272,7 +275,7 @@ AZURE_CREATES = {"Put Blob", "Put Block List", "Copy Blob"}
 
 @pytest.mark.parametrize("mode", ["scope", "customer"])
 async def test_azure_controls_on_every_request_class(azurite, azure_uri: str, tmp_path: Path, mode: str,
-                                                     monkeypatch) -> None:
+                                                     monkeypatch, caplog) -> None:
     """An encryption scope on every write and the access tier on what creates a blob; or a customer key (CPK) on
     every read and write, copies then made by reading and writing (the service cannot read a CPK source)."""
     options = {"encryption_scope": "ckpt-scope", "access_tier": "cool"} if mode == "scope" else {"customer_key": KEY}
@@ -290,6 +293,7 @@ async def test_azure_controls_on_every_request_class(azurite, azure_uri: str, tm
             problems.append("a copy by the service")
         return problems
 
+    caplog.set_level(logging.DEBUG)
     port = urlsplit(azurite.endpoint).port
     with FaultProxy(port) as proxy:
         proxy.throttle(1000)
@@ -304,6 +308,7 @@ async def test_azure_controls_on_every_request_class(azurite, azure_uri: str, tm
     kinds = {azure_kind(*line.split(" ")[:2], h) for line, h in zip(proxy.requests, proxy.headers, strict=True)}
     wanted = {"Put Blob", "Put Block", "Put Block List", "Get Blob", "Get Blob Properties", "container"}
     assert kinds >= wanted | ({"Copy Blob", "Put Block From URL"} if mode == "scope" else set()), kinds
+    assert KEY not in caplog.text
 
 
 def account_sas() -> str:

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStage
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from .. import stats
 from ..checkpoint.attempt import attempt_from_env, new_attempt_id
 from ..checkpoint.barrier import HandedBarrier
 from ..checkpoint.base import BaseCheckpoint, resolve_base
@@ -271,6 +272,7 @@ class Writer(_Location, StorageWriter, AsyncStager):
         return _done([WriteResult(index=i.index, size_in_bytes=s.length, storage_data=s)
                       for i, s in zip(plan.items, done, strict=True)])
 
+    @stats.summarized("dcp_write")
     async def _write(self, where: _RankPlan, files: list[tuple[str, Layout]]) -> bytes:
         async with self._store() as (target, cfg, store):
             base = BaseCheckpoint.decode(where.base, f"base of {target.raw}") if where.base else None
@@ -327,6 +329,7 @@ class Writer(_Location, StorageWriter, AsyncStager):
         metadata.storage_meta = self.storage_meta()
         _run(self._commit(pickle.dumps(metadata), encode_index(index), manifests, len(results), plan))
 
+    @stats.summarized("dcp_commit")
     async def _commit(self, metadata: bytes, index: bytes, manifests: dict[int, RankManifest], world_size: int,
                       plan: _RankPlan) -> None:
         """Coordinator: write ``.metadata`` and the index, then commit every rank's manifest (ranks without items

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from .. import stats
 from .._loop import BackgroundLoop
 from ..checkpoint.catalog import UNCOMMITTED, CheckpointInfo, checkpoint_name
 from ..checkpoint.group import GroupCall
@@ -291,6 +292,7 @@ class Reader(_Location, StorageReader):
             raise CheckpointError(f"{self.uri}: file {name} is not in the checkpoint's manifests")
         return digest
 
+    @stats.summarized("dcp_read")
     async def _read(self, spans: list[Span], arrived: queue.Queue[Any], slots: asyncio.Semaphore) -> None:
         """Read ``spans`` (each once a slot is free), every chunk checked against its recorded digest; each
         span, or the first failure, goes to ``arrived``."""
