@@ -36,6 +36,21 @@ def env_flag(name: str, default: bool, env: Mapping[str, str] | None = None) -> 
     return parse_bool(text, name) if text.strip() else default
 
 
+def env_seconds(name: str, default: float, env: Mapping[str, str] | None = None) -> float:
+    """Seconds in environment variable ``name``, read when asked (not at import); ``default`` when it is unset or
+    blank; ValueError naming the variable otherwise (``inf`` allowed)."""
+    text = (os.environ if env is None else env).get(name, "").strip()
+    if not text:
+        return default
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"invalid {name}={text!r}: expected a number of seconds >= 0")
+    return seconds
+
+
 def default_state_dir(env: Mapping[str, str] | None = None) -> str:
     """Where fastckpt keeps its state (upload journals): ``$FASTCKPT_STATE_DIR``, else ``$XDG_CACHE_HOME/fastckpt``,
     else ``~/.cache/fastckpt``."""

@@ -40,6 +40,7 @@ from .uri import parse_uri
 
 T = TypeVar("T")
 PROTOCOL = "fastckpt"
+__all__ = ["PROTOCOL", "FastckptFileSystem"]
 _BATCH: ContextVar[list[tuple[FastckptHandler, str, str, int | None]] | None] = ContextVar("fastckpt_fsspec_batch",
                                                                                            default=None)
 """The files of the ``put`` / ``get`` running in this task: (handler, source, destination, size when known)."""

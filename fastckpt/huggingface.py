@@ -26,6 +26,8 @@ from .checkpoint import SyncCheckpointWriter, download_checkpoint, latest
 from .config import TransferConfig
 from .uri import join_key, parse_uri
 
+__all__ = ["UploadCheckpoints", "restore_latest"]
+
 
 class UploadCheckpoints(TrainerCallback):
     """A ``TrainerCallback`` that commits every checkpoint folder the Trainer saves to ``uri``/``checkpoint-<step>``

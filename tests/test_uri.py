@@ -7,7 +7,7 @@ import os
 import pytest
 
 from fastckpt import TransferConfig, open_store, parse_uri
-from fastckpt.config import parse_size
+from fastckpt.config import env_seconds, parse_size
 
 
 @pytest.mark.parametrize(
@@ -117,3 +117,13 @@ def test_sovereign_azure_uri_reaches_its_cloud() -> None:
 
     uri = parse_uri("abfss://ckpts/run1/step-1?account=acct&endpoint_suffix=core.chinacloudapi.cn")
     assert resolve_endpoint(uri.options, {"AZURE_STORAGE_KEY": "a2V5"}).url == "https://acct.blob.core.chinacloudapi.cn"
+
+
+def test_env_seconds_reads_when_asked() -> None:
+    """The agent's and the replicas' waits are read from the environment when used, a bad value named."""
+    assert env_seconds("FASTCKPT_X", 60.0, {}) == 60.0
+    assert env_seconds("FASTCKPT_X", 60.0, {"FASTCKPT_X": " 2.5 "}) == 2.5
+    assert env_seconds("FASTCKPT_X", 60.0, {"FASTCKPT_X": "inf"}) == float("inf")
+    for bad in ("soon", "-1", "nan"):
+        with pytest.raises(ValueError, match="FASTCKPT_X"):
+            env_seconds("FASTCKPT_X", 60.0, {"FASTCKPT_X": bad})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import sys
 from collections.abc import Callable
@@ -195,8 +196,11 @@ def cmd_doctor(args: argparse.Namespace) -> Result:
     from .._loop import uvloop
     from ..stores import backend_status
 
+    extras = {name: importlib.util.find_spec(module) is not None
+              for name, module in (("opentelemetry", "opentelemetry"), ("prometheus", "prometheus_client"))}
     return {"version": __version__, "python": sys.version.split()[0], "native_accelerator": native.native_info(),
-            "uvloop": uvloop is not None, "backends": backend_status(), "config": TransferConfig.from_env().__dict__}
+            "uvloop": uvloop is not None, "backends": backend_status(), "monitoring": extras,
+            "config": TransferConfig.from_env().__dict__}
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], Result]] = {

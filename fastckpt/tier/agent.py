@@ -24,7 +24,7 @@ import sys
 import time
 
 from .. import otel, stats
-from ..config import TransferConfig
+from ..config import TransferConfig, env_seconds
 from ..engine.open_stores import store_for
 from ..errors import CheckpointError, IntegrityError
 from ..uri import parse_uri
@@ -42,12 +42,12 @@ POLL_S = 0.05
 RETRY_S = (1.0, 30.0)
 """First and longest pause before retrying a drain that failed for a reason that may pass."""
 DRAINS = 4
+"""Queue entries drained at once."""
 DRAINED = {"bytes": 0, "checkpoints": 0}
 """What this process's agent drained so far: file bytes sent to durable stores, checkpoints committed there."""
-"""Queue entries drained at once."""
 COMMIT_POLL_S = (0.1, 1.0)
 """First and longest pause between looks at the durable store while other ranks' data is still missing."""
-COMMIT_WAIT_S = float(os.environ.get("FASTCKPT_AGENT_COMMIT_WAIT", 3600))
+COMMIT_WAIT_S = 3600.0
 """Seconds an agent waits for the other ranks' data before it gives up on a checkpoint (the copy is kept)."""
 
 
@@ -82,7 +82,7 @@ def agent_pid(tier: Tier) -> int | None:
 def ensure_agent(tier: Tier, idle: float | None = None) -> None:
     """Start an agent for ``tier`` unless one runs. The lock is taken here and handed to the agent, so two callers
     never start two agents."""
-    idle = float(os.environ.get("FASTCKPT_AGENT_IDLE", IDLE_S)) if idle is None else idle
+    idle = env_seconds("FASTCKPT_AGENT_IDLE", IDLE_S) if idle is None else idle
     fd = _try_lock(tier)
     if fd is None:
         return
@@ -211,9 +211,10 @@ async def _drain_entry(tier: Tier, path: str, entry: QueueEntry, config: Transfe
         return
     if not committed:
         wait.uploaded = True
-        if time.time() - _queued_at(path) > COMMIT_WAIT_S:
+        commit_wait = env_seconds("FASTCKPT_AGENT_COMMIT_WAIT", COMMIT_WAIT_S)
+        if time.time() - _queued_at(path) > commit_wait:
             tier.record_failure(path, entry, CheckpointError(
-                f"not every rank's data reached {entry.durable} within {COMMIT_WAIT_S:.0f} s of this rank's"))
+                f"not every rank's data reached {entry.durable} within {commit_wait:.0f} s of this rank's"))
         else:
             wait.again(*COMMIT_POLL_S)
         return

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..checkpoint.barrier import Barrier
 from ..checkpoint.barrier_torch import TorchBarrier, gloo_group
 from ..checkpoint.manifest import CommitMarker, RankManifest, digest_of, marker_key, meta_prefix, rank_key
+from ..config import env_seconds
 from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError
 from ..fileio import write_whole
 from ..integrity import hash_chunks
@@ -34,7 +35,7 @@ log = logging.getLogger("fastckpt")
 
 TIMEOUT = timedelta(seconds=600)
 """Longest wait for one transfer between peers."""
-REPLICA_GRACE_S = float(os.environ.get("FASTCKPT_REPLICA_GRACE", 60))
+REPLICA_GRACE_S = 60.0
 """Seconds a peer's agent leaves a replica to its own node's agent before draining it itself (then it finds the
 checkpoint committed, one read, or the other node lost and drains the replica)."""
 
@@ -181,7 +182,8 @@ def replicate(group: Any, tier: Tier, durable: StorageURI, rank: int, world_size
         work.wait(TIMEOUT)
     if got is not None:
         marker = CommitMarker.decode(incoming["marker"].encode(), durable.raw)
-        tier.enqueue(durable, marker.attempt, got, marker.committed_at, REPLICA_GRACE_S)
+        tier.enqueue(durable, marker.attempt, got, marker.committed_at,
+                     env_seconds("FASTCKPT_REPLICA_GRACE", REPLICA_GRACE_S))
     return got
 
 
