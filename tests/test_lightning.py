@@ -31,6 +31,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 import fastckpt.lightning as fl
 from fastckpt import CheckpointError, IntegrityError, ObjectNotFoundError, TransferConfig, open_store, parse_uri
 from fastckpt.checkpoint import SyncCheckpointWriter
+from fastckpt.lightning_io import FOLDER_FILE
 from harness.link import LinkEmulator, LinkProfile
 from harness.uris import emulator_uri
 
@@ -165,7 +166,7 @@ def test_checkpoints_saved_as_folders_still_load_and_remove(tmp_path: Path) -> N
     folder, state = str(tmp_path / "old.ckpt"), tmp_path / "state.pt"
     torch.save({"w": torch.arange(3)}, state)
     with SyncCheckpointWriter(folder) as writer:
-        writer.put_file(state, fl.FOLDER_FILE)
+        writer.put_file(state, FOLDER_FILE)
     assert torch.equal(fl.CheckpointIO().load_checkpoint(folder)["w"], torch.arange(3))
     fl.CheckpointIO().save_checkpoint({"w": torch.arange(5)}, folder)  # saved over: now a file
     assert os.path.isfile(folder) and torch.equal(torch.load(folder)["w"], torch.arange(5))
@@ -258,3 +259,33 @@ def test_killed_fit_resumes_to_the_same_weights(tmp_path: Path, moto_server, mon
                          ckpt_path=f"fastckpt://{run}/killed/epoch=1.ckpt")
     assert resumed == straight
     assert entries(f"fastckpt://{run}/killed")[0] == ["epoch=2.ckpt", "epoch=3.ckpt"]
+
+
+def test_pytorch_lightning_projects_use_their_own_package(tmp_path: Path, moto_server, monkeypatch) -> None:
+    """``fastckpt.pytorch_lightning``: the same plug-ins on ``pytorch_lightning``'s base classes, whose ``Trainer``
+    takes no other; checkpoints saved, listed, kept last and resumed from, as with ``fastckpt.lightning``."""
+    ptl = pytest.importorskip("pytorch_lightning")
+    from lightning_fabric.utilities.exceptions import MisconfigurationException
+    from pytorch_lightning.callbacks import ModelCheckpoint as PtlModelCheckpoint
+    from pytorch_lightning.demos.boring_classes import BoringModel as PtlBoringModel
+
+    import fastckpt.pytorch_lightning as fpl
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
+    dirpath = f"fastckpt://s3://{BUCKET}/ptl-{uuid.uuid4().hex[:8]}/ckpts"
+
+    def ptl_fit(io: Any, epochs: int, ckpt_path: str | None = None) -> Any:
+        trainer = ptl.Trainer(max_epochs=epochs, limit_train_batches=4, limit_val_batches=0, logger=False,
+                              enable_progress_bar=False, enable_model_summary=False, plugins=[io],
+                              callbacks=[PtlModelCheckpoint(dirpath=dirpath, save_last=True, save_top_k=-1)])
+        trainer.fit(PtlBoringModel(), ckpt_path=ckpt_path)
+        return trainer
+
+    with pytest.raises(MisconfigurationException, match="invalid type for plugin"):  # `lightning`'s is not theirs
+        ptl.Trainer(plugins=[fl.CheckpointIO()], logger=False)
+    ptl_fit(fpl.AsyncCheckpointIO(), epochs=2)
+    assert entries(dirpath)[0] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
+    trainer = ptl_fit(fpl.CheckpointIO(), epochs=3, ckpt_path=f"{dirpath}/last.ckpt")  # "last": normpath breaks URLs
+    assert trainer.global_step == 12
+    loaded = fpl.CheckpointIO().load_checkpoint(f"{dirpath}/last.ckpt")
+    assert loaded["global_step"] == 12
