@@ -4,7 +4,6 @@ A training process calls ``serve`` itself; each scrape reads the counts as they 
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -44,7 +43,7 @@ class _Collector:
         yield GaugeMetricFamily("fastckpt_requests_in_flight", "Requests waiting for their answer", value=t.in_flight)
         if self.tier is None:
             return
-        oldest = oldest_queued_s(self.tier) if os.path.isdir(self.tier.queue_dir) else None
+        oldest = oldest_queued_s(self.tier)
         yield GaugeMetricFamily("fastckpt_agent_queue_depth", "Saves waiting in the tier's queue",
                                 value=len(self.tier.pending()))
         yield GaugeMetricFamily("fastckpt_agent_oldest_entry_age_seconds", "Seconds the oldest queued save has "

@@ -78,9 +78,14 @@ class StorageURI:
         return f"{scheme}://{self.bucket}/{key}".rstrip("/")
 
 
+def option_text(value: object) -> str:
+    """A value as a URI option writes it: booleans as ``true``/``false``, anything else as ``str`` gives it."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def with_options(uri: str, options: Mapping[str, object]) -> str:
-    """``uri`` with ``options`` added to its query (booleans as ``true``/``false``; None left out)."""
-    given = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in options.items() if v is not None}
+    """``uri`` with ``options`` added to its query (``option_text``; None left out)."""
+    given = {k: option_text(v) for k, v in options.items() if v is not None}
     return uri + ("&" if "?" in uri else "?") + urlencode(given) if given else uri
 
 

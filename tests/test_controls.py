@@ -66,19 +66,16 @@ async def every_request_class(uri: str, tmp_path: Path) -> None:
         await store.delete(f"{loc.key}/copied.bin")
 
 
-def recorded(proxy: FaultProxy) -> list[tuple[str, str, dict[str, str]]]:
-    """(method, target, headers) of each request the proxy saw."""
-    return [(line.split(" ")[0], line.split(" ")[1], h) for line, h in zip(proxy.requests, proxy.headers, strict=True)]
-
-
-def checked(requests: list[tuple[str, str, dict[str, str]]], kind: Callable[[str, str, dict[str, str]], str],
-            expect: Callable[[str, dict[str, str]], list[str]]) -> set[str]:
-    """The request kinds seen; an assertion names each request whose headers ``expect`` finds wrong."""
+def checked(proxy: FaultProxy, kind: Callable[[str, str, dict[str, str]], str],
+            expect: Callable[[str, dict[str, str], str], list[str]]) -> set[str]:
+    """The kinds of the requests the proxy saw (``kind(method, target, headers)``); an assertion names each request
+    whose headers or target ``expect(kind, headers, target)`` finds wrong."""
     kinds, wrong = set(), []
-    for method, target, headers in requests:
+    for line, headers in zip(proxy.requests, proxy.headers, strict=True):
+        method, target = line.split(" ")[:2]
         k = kind(method, target, headers)
         kinds.add(k)
-        problems = expect(k, headers)
+        problems = expect(k, headers, target)
         if problems:
             wrong.append(f"{k} {method} {target}: {problems}")
     assert not wrong, "\n".join(wrong)
@@ -105,7 +102,7 @@ S3_WRITES = {"PutObject", "CreateMultipartUpload", "CopyObject"}
 S3_OF_OBJECT = S3_WRITES | {"UploadPart", "UploadPartCopy", "CompleteMultipartUpload", "GetObject", "HeadObject"}
 
 
-def s3_expect_kms(kind: str, h: dict[str, str]) -> list[str]:
+def s3_expect_kms(kind: str, h: dict[str, str], _target: str) -> list[str]:
     want = {"x-amz-request-payer": "requester", "x-amz-expected-bucket-owner": "111122223333"}
     if kind in S3_WRITES:
         want |= {"x-amz-server-side-encryption": "aws:kms", "x-amz-server-side-encryption-aws-kms-key-id": "alias/ck",
@@ -119,7 +116,7 @@ def s3_expect_kms(kind: str, h: dict[str, str]) -> list[str]:
     return problems
 
 
-def s3_expect_customer(kind: str, h: dict[str, str]) -> list[str]:
+def s3_expect_customer(kind: str, h: dict[str, str], _target: str) -> list[str]:
     prefixes = ["x-amz-server-side-encryption-customer-"] if kind in S3_OF_OBJECT else []
     if kind in ("CopyObject", "UploadPartCopy"):
         prefixes.append("x-amz-copy-source-server-side-encryption-customer-")
@@ -145,7 +142,7 @@ async def test_s3_controls_on_every_request_class(moto_server, s3_uri: str, tmp_
         await every_request_class(uri, tmp_path)
         async with open_store(uri, small_config()) as store:  # metadata only botocore sends: the SDK's requests
             await store.put(f"{parse_uri(uri).key}/sdk.bin", b"x", metadata={"note": "a\tb"})
-    kinds = checked(recorded(proxy), s3_kind, s3_expect_kms if mode == "kms" else s3_expect_customer)
+    kinds = checked(proxy, s3_kind, s3_expect_kms if mode == "kms" else s3_expect_customer)
     assert kinds >= S3_OF_OBJECT | {"Bucket"}, kinds
     assert KEY not in caplog.text
 
@@ -233,10 +230,7 @@ async def test_gcs_controls_on_every_request_class(gcs_server: str, gcs_uri: str
         proxy.throttle(1000)
         uri = with_options(gcs_uri.replace(gcs_server, proxy.url), **options)
         await every_request_class(uri, tmp_path)
-    wrong = [f"{line}: {p}" for line, h in zip(proxy.requests, proxy.headers, strict=True)
-             if (p := expect(gcs_kind(*line.split(" ")[:2], h), h, line.split(" ")[1]))]
-    assert not wrong, "\n".join(wrong)
-    kinds = {gcs_kind(*line.split(" ")[:2], h) for line, h in zip(proxy.requests, proxy.headers, strict=True)}
+    kinds = checked(proxy, gcs_kind, expect)
     assert kinds >= {"upload", "compose", "media", "metadata", "list", "delete"}, kinds
     assert KEY not in caplog.text
     if mode == "kms":  # the new objects' resource names the class: the emulator keeps an upload's, not a compose's
@@ -280,7 +274,7 @@ async def test_azure_controls_on_every_request_class(azurite, azure_uri: str, tm
     every read and write, copies then made by reading and writing (the service cannot read a CPK source)."""
     options = {"encryption_scope": "ckpt-scope", "access_tier": "cool"} if mode == "scope" else {"customer_key": KEY}
 
-    def expect(kind: str, h: dict[str, str]) -> list[str]:
+    def expect(kind: str, h: dict[str, str], _target: str) -> list[str]:
         problems = []
         if mode == "scope" and kind in AZURE_WRITES and h.get("x-ms-encryption-scope") != "ckpt-scope":
             problems.append("scope")
@@ -302,10 +296,7 @@ async def test_azure_controls_on_every_request_class(azurite, azure_uri: str, tm
             monkeypatch.setenv("AZURE_STORAGE_SAS_TOKEN", account_sas())
         uri = with_options(azure_uri.replace(str(port), str(proxy.port)), **options)
         await every_request_class(uri, tmp_path)
-    wrong = [f"{line}: {p}" for line, h in zip(proxy.requests, proxy.headers, strict=True)
-             if (p := expect(azure_kind(*line.split(" ")[:2], h), h))]
-    assert not wrong, "\n".join(wrong)
-    kinds = {azure_kind(*line.split(" ")[:2], h) for line, h in zip(proxy.requests, proxy.headers, strict=True)}
+    kinds = checked(proxy, azure_kind, expect)
     wanted = {"Put Blob", "Put Block", "Put Block List", "Get Blob", "Get Blob Properties", "container"}
     assert kinds >= wanted | ({"Copy Blob", "Put Block From URL"} if mode == "scope" else set()), kinds
     assert KEY not in caplog.text

@@ -152,16 +152,15 @@ class Commit(abc.ABC):
                 raise error
             outcome.pop("marker", None)
         else:
-            with stats.stage("barrier"):
+            with stats.stage("barrier"):  # a failed broadcast's look at the marker is waiting for the outcome too
                 await self.barrier.gather(rv, attempt, data)
-            try:
-                with stats.stage("barrier"):
+                try:
                     outcome = json.loads(await self.barrier.broadcast(rv, attempt, None))
-            except BarrierError:
-                found = await self._outcome_from_marker()
-                if found is None:
-                    raise
-                outcome = found
+                except BarrierError:
+                    found = await self._outcome_from_marker()
+                    if found is None:
+                        raise
+                    outcome = found
         if not outcome["ok"]:
             if outcome.get("missing"):
                 raise BarrierTimeoutError(outcome["error"], outcome["missing"])

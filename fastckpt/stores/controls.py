@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
+import functools
 import hashlib
 import logging
 from collections.abc import Mapping
+
+from ..uri import option_text
 
 OPTIONS = {
     "s3": ("server_side_encryption", "sse_kms_key_id", "sse_kms_encryption_context", "bucket_key_enabled",
@@ -24,27 +28,46 @@ def read_options(names: tuple[str, ...], options: Mapping[str, str], env: Mappin
     return {n: options.get(n) or env.get(f"FASTCKPT_{prefix}_{n.upper()}", "") for n in names}
 
 
-def customer_key(text: str, where: str) -> bytes:
-    """The 256-bit key ``text`` (base64) gives; ValueError (not showing it) otherwise."""
+def check_customer_key(given: Mapping[str, str], key: str, other: str, backend: str) -> None:
+    """ValueError when option ``key`` (a customer's key) and option ``other`` (a key of the service's) are both set
+    (an object has one kind of key), or when ``key`` is not the base64 of a 256-bit AES key (the key not shown)."""
+    if given[key] and given[other]:
+        raise ValueError(f"{backend} options {key} and {other} exclude each other: an object is encrypted with a "
+                         "key of the customer's or by the service, not both")
+    if not given[key]:
+        return
+    where = f"{backend} option {key}"
     try:
-        key = base64.b64decode(text, validate=True)
+        raw = base64.b64decode(given[key], validate=True)
     except (binascii.Error, ValueError):
         raise ValueError(f"{where}: not base64 (expected the base64 of a 256-bit AES key)") from None
-    if len(key) != 32:
-        raise ValueError(f"{where}: {len(key)} bytes once decoded; an AES-256 key has 32")
-    return key
+    if len(raw) != 32:
+        raise ValueError(f"{where}: {len(raw)} bytes once decoded; an AES-256 key has 32")
 
 
-def key_digest(key: str, algorithm: str) -> str:
-    """Base64 of the ``algorithm`` (``md5``, ``sha256``) digest of the base64 customer ``key``."""
-    return base64.b64encode(hashlib.new(algorithm, base64.b64decode(key)).digest()).decode()
+@functools.lru_cache(maxsize=16)
+def _key_headers(prefix: str, key: str, digest: str) -> tuple[tuple[str, str], ...]:
+    sum_ = base64.b64encode(hashlib.new(digest, base64.b64decode(key)).digest()).decode()
+    return ((f"{prefix}algorithm", "AES256"), (f"{prefix}key", key),
+            (f"{prefix}key-{'MD5' if digest == 'md5' else digest}", sum_))
 
 
-def exclusive(values: Mapping[str, str], first: str, second: str, backend: str) -> None:
-    """ValueError when both options ``first`` and ``second`` are set: an object has one kind of key."""
-    if values[first] and values[second]:
-        raise ValueError(f"{backend} options {first} and {second} exclude each other: an object is encrypted with a "
-                         "key of the customer's or by the service, not both")
+def key_headers(prefix: str, key: str, digest: str) -> dict[str, str]:
+    """The headers naming a customer ``key`` (base64): ``{prefix}algorithm`` (AES256), ``{prefix}key`` and
+    ``{prefix}key-MD5`` / ``{prefix}key-sha256``, the ``digest`` (``md5``, ``sha256``) of the key that the cloud checks
+    it against (worked out once per key, not per request)."""
+    return dict(_key_headers(prefix, key, digest))
+
+
+def control_query(controls: object, secret: str) -> dict[str, str]:
+    """URI options that give a backend's ``controls`` (a dataclass) back: the fields that are set, booleans as
+    ``true``/``false``; never the ``secret`` field (the customer key: the environment gives it again)."""
+    out = {}
+    for f in dataclasses.fields(controls):  # type: ignore[arg-type]
+        value = getattr(controls, f.name)
+        if f.name != secret and value not in ("", None):
+            out[f.name] = option_text(value)
+    return out
 
 
 class _Hidden(logging.Filter):

@@ -18,7 +18,7 @@ from ..config import TransferConfig
 from ..engine.open_stores import store_for
 from ..stores.base import Store
 from ..stores.controls import OPTIONS as CONTROLS
-from ..uri import StorageURI, parse_uri, with_options
+from ..uri import StorageURI, option_text, parse_uri, with_options
 
 METADATA = ".metadata"
 
@@ -87,7 +87,7 @@ def storage_query(options: dict[str, Any]) -> dict[str, str]:
         raise ValueError(f"storage options {unknown} are not taken by fastckpt: credentials come from the environment "
                          "(AWS_*, GOOGLE_*, AZURE_STORAGE_*) or the URI's options, as for every fastckpt URI")
     query = {_FSSPEC_OPTIONS.get(k, k): v for k, v in flat.items()}
-    return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in query.items()}
+    return {k: option_text(v) for k, v in query.items()}
 
 
 class _Location:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..controls import OPTIONS, customer_key, exclusive, key_digest, read_options
+from ..controls import OPTIONS, check_customer_key, control_query, key_headers, read_options
 
 TIERS = ("Hot", "Cool", "Cold", "Archive")
 
@@ -34,9 +34,7 @@ class AzureControls:
     def from_options(cls, options: Mapping[str, str], env: Mapping[str, str] = os.environ) -> AzureControls:
         """The controls ``options`` (a URI's) and ``env`` give; ValueError naming a bad value or combination."""
         given = read_options(cls.QUERY, options, env, "AZURE")
-        exclusive(given, "customer_key", "encryption_scope", "Azure")
-        if given["customer_key"]:
-            customer_key(given["customer_key"], "Azure option customer_key")
+        check_customer_key(given, "customer_key", "encryption_scope", "Azure")
         tier = given["access_tier"]
         if tier and tier.capitalize() not in TIERS:
             raise ValueError(f"Azure option access_tier={tier!r}: expected one of {list(TIERS)}")
@@ -44,14 +42,11 @@ class AzureControls:
 
     def query(self) -> dict[str, str]:
         """URI options that give these controls back; never the customer key (the environment gives it again)."""
-        return {f.name: v for f in fields(self) if f.name != "customer_key" and (v := getattr(self, f.name))}
+        return control_query(self, "customer_key")
 
     def headers(self, *, writes: bool = False, creates: bool = False) -> dict[str, str]:
         """Headers of a request that reads a blob; ``writes``: that writes one; ``creates``: that creates one."""
-        out = {}
-        if self.customer_key:
-            out = {"x-ms-encryption-key": self.customer_key, "x-ms-encryption-algorithm": "AES256",
-                   "x-ms-encryption-key-sha256": key_digest(self.customer_key, "sha256")}
+        out = key_headers("x-ms-encryption-", self.customer_key, "sha256") if self.customer_key else {}
         if (writes or creates) and self.encryption_scope:
             out["x-ms-encryption-scope"] = self.encryption_scope
         if creates and self.access_tier:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..controls import OPTIONS, customer_key, exclusive, key_digest, read_options
+from ..controls import OPTIONS, check_customer_key, control_query, key_headers, read_options
 
 
 @dataclass(frozen=True)
@@ -32,14 +32,12 @@ class GCSControls:
     def from_options(cls, options: Mapping[str, str], env: Mapping[str, str] = os.environ) -> GCSControls:
         """The controls ``options`` (a URI's) and ``env`` give; ValueError naming a bad value or combination."""
         given = read_options(cls.QUERY, options, env, "GCS")
-        exclusive(given, "encryption_key", "kms_key_name", "GCS")
-        if given["encryption_key"]:
-            customer_key(given["encryption_key"], "GCS option encryption_key")
+        check_customer_key(given, "encryption_key", "kms_key_name", "GCS")
         return cls(**given)
 
     def query(self) -> dict[str, str]:
         """URI options that give these controls back; never the customer key (the environment gives it again)."""
-        return {f.name: v for f in fields(self) if f.name != "encryption_key" and (v := getattr(self, f.name))}
+        return control_query(self, "encryption_key")
 
     def params(self, *, creates: bool = False) -> dict[str, str]:
         """Query parameters of every request; ``creates``: of one that creates an object."""
@@ -54,7 +52,4 @@ class GCSControls:
 
     def headers(self) -> dict[str, str]:
         """Headers of a request that reads or writes an object: the customer key, if any."""
-        if not self.encryption_key:
-            return {}
-        return {"x-goog-encryption-algorithm": "AES256", "x-goog-encryption-key": self.encryption_key,
-                "x-goog-encryption-key-sha256": key_digest(self.encryption_key, "sha256")}
+        return key_headers("x-goog-encryption-", self.encryption_key, "sha256") if self.encryption_key else {}

@@ -15,12 +15,12 @@ import binascii
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import ClassVar
 from urllib.parse import parse_qsl
 
 from ...config import parse_bool
-from ..controls import OPTIONS, customer_key, exclusive, key_digest, read_options
+from ..controls import OPTIONS, check_customer_key, control_query, key_headers, read_options
 
 ENCRYPTIONS = ("AES256", "aws:kms", "aws:kms:dsse")
 WRITES = frozenset({"PutObject", "CreateMultipartUpload", "CopyObject"})
@@ -58,9 +58,7 @@ class S3Controls:
         kms = [n for n in ("sse_kms_key_id", "sse_kms_encryption_context", "bucket_key_enabled") if given[n]]
         if kms and not sse.startswith("aws:kms"):
             raise ValueError(f"S3 option(s) {kms} need server_side_encryption=aws:kms or aws:kms:dsse")
-        exclusive(given, "sse_customer_key", "server_side_encryption", "S3")
-        if given["sse_customer_key"]:
-            customer_key(given["sse_customer_key"], "S3 option sse_customer_key")
+        check_customer_key(given, "sse_customer_key", "server_side_encryption", "S3")
         if given["request_payer"] and given["request_payer"] != "requester":
             raise ValueError(f"S3 option request_payer={given['request_payer']!r}: the only value is 'requester'")
         if given["tagging"]:
@@ -76,10 +74,7 @@ class S3Controls:
 
     def query(self) -> dict[str, str]:
         """URI options that give these controls back; never the customer key (the environment gives it again)."""
-        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sse_customer_key"}
-        if self.bucket_key_enabled is not None:
-            shown["bucket_key_enabled"] = str(self.bucket_key_enabled).lower()
-        return {k: v for k, v in shown.items() if isinstance(v, str) and v}
+        return control_query(self, "sse_customer_key")
 
     def headers(self, operation: str) -> dict[str, str]:
         """The headers a request of S3 operation ``operation`` carries (``operation_of`` names it)."""
@@ -102,9 +97,9 @@ class S3Controls:
                 out["x-amz-tagging-directive"] = "REPLACE"
         if self.sse_customer_key and operation in OF_OBJECT:
             key = self.sse_customer_key
-            out.update(customer_headers("x-amz-server-side-encryption-customer-", key))
+            out.update(key_headers("x-amz-server-side-encryption-customer-", key, "md5"))
             if operation in COPIES:
-                out.update(customer_headers("x-amz-copy-source-server-side-encryption-customer-", key))
+                out.update(key_headers("x-amz-copy-source-server-side-encryption-customer-", key, "md5"))
         return out
 
 
@@ -122,11 +117,6 @@ def operation_of(method: str, key: str, query: Mapping[str, str], headers: Mappi
     if method == "GET":
         return "ListParts" if "uploadId" in query else "GetObject"
     return {"HEAD": "HeadObject"}.get(method, "DeleteObject")
-
-
-def customer_headers(prefix: str, key: str) -> dict[str, str]:
-    """``{prefix}algorithm``, ``{prefix}key`` and ``{prefix}key-MD5`` headers for a base64 customer ``key``."""
-    return {f"{prefix}algorithm": "AES256", f"{prefix}key": key, f"{prefix}key-MD5": key_digest(key, "md5")}
 
 
 def encryption_context(text: str) -> str:
