@@ -252,3 +252,57 @@ def test_dcp_reader_in_a_group_fails_in_bounded_time_when_a_rank_dies(tmp_path: 
         assert not record["ok"], record
         assert "process group" in record["error"] or "gloo/transport" in record["error"], record
         assert record["seconds"] < 60
+
+
+def hf_model(folder: Path) -> dict[str, str]:
+    """A Hugging Face layout in ``folder``: two bf16/f32 shards (several 1 MiB chunks each) and their index; the
+    sha256 of each tensor as ``safetensors.torch.load_file`` returns it."""
+    torch = pytest.importorskip("torch")
+    st = pytest.importorskip("safetensors.torch")
+    gen = torch.Generator().manual_seed(11)
+    shards = {"model-00001-of-00002.safetensors": {"embed": torch.randn(1024, 1280, generator=gen).bfloat16(),
+                                                   "norm": torch.ones(1280)},
+              "model-00002-of-00002.safetensors": {"layers.0.mlp": torch.randn(768, 1024, generator=gen),
+                                                   "step": torch.tensor([5])}}
+    folder.mkdir(parents=True)
+    want = {}
+    for name, tensors in shards.items():
+        st.save_file(tensors, str(folder / name))
+        want.update({k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                     for k, v in st.load_file(str(folder / name)).items()})
+    index = {"metadata": {}, "weight_map": {k: n for n, t in shards.items() for k in t}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return want
+
+
+def test_a_safetensors_model_is_read_once_for_the_group(s3_uri: str, moto_server, tmp_path: Path) -> None:
+    """``load_safetensors(uri, group=)`` of an indexed model uploaded by ``fastckpt cp``: every rank ends with what
+    ``safetensors.torch.load_file`` returns, the store serving the weights about once with ``group=`` and three times
+    without."""
+    uri = below(s3_uri, "model")
+    want = hf_model(tmp_path / "model")
+    fastckpt.upload(tmp_path / "model", uri, config=fastckpt.TransferConfig(part_size=1 << 20))
+    size = sum(p.stat().st_size for p in (tmp_path / "model").glob("*.safetensors"))
+    shared, alone, once, thrice = served(moto_server.endpoint, uri, tmp_path, "safetensors")
+    for record in shared + alone:
+        assert record["ok"] and record["files"] == want, record["error"]
+    assert once <= 1.05 * size, f"{once} bytes came from the store for {size} bytes of weights"
+    assert thrice >= WORLD * size
+
+
+def test_a_changed_model_shard_fails_every_rank(tmp_path: Path) -> None:
+    """A shard of a committed model changed behind its manifest fails the rank that fetches the changed range, and so
+    every rank, with one error naming the shard."""
+    uri = f"file://{tmp_path}/store/model"
+    hf_model(tmp_path / "model")
+    with fastckpt.SyncCheckpointWriter(uri) as w:
+        w.put_dir(tmp_path / "model")
+    victim = tmp_path / "store/model/model-00002-of-00002.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    records = job(tmp_path, uri, mode="safetensors")
+    errors = {r["error"] for r in records}
+    assert len(records) == WORLD and len(errors) == 1 and not any(r["ok"] for r in records), errors
+    error = errors.pop()
+    assert "model-00002-of-00002.safetensors" in error and "differ" in error, error

@@ -117,3 +117,25 @@ def test_a_bad_index_is_refused(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors.index.json").unlink()
     with pytest.raises(fastckpt.ObjectNotFoundError, match="no safetensors model"):
         ft.load_safetensors(str(tmp_path))
+
+
+def test_bench_load_reports_what_it_loaded(s3_uri: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``fastckpt bench-load`` of a two-shard model on moto: both files, every tensor byte, times in order, and the
+    shards reported as they completed (``on_shard``)."""
+    from fastckpt.cli import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    parts = {"a.safetensors": tensors(3, 20), "b.safetensors": {f"b.{k}": v for k, v in tensors(4).items()}}
+    for name, part in parts.items():
+        save_file(part, model / name)
+    uri = below(s3_uri, "bench-load")
+    fastckpt.upload(model, uri, config=small_config())
+    assert main(["bench-load", uri, "--rounds", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["files"] == 2 and len(out["rounds"]) == 2
+    assert out["tensor_bytes"] == sum(t.numel() * t.element_size() for p in parts.values() for t in p.values())
+    for r in out["rounds"]:
+        assert 0 < r["first_shard_s"] <= r["seconds"] and r["gb_per_s"] > 0
+    assert main(["bench-load", below(s3_uri, "missing")]) == 1
+    assert "no safetensors model" in capsys.readouterr().err

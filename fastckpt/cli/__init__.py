@@ -1,4 +1,4 @@
-"""The ``fastckpt`` command: cp, mv, sync, rm, cat, ls, du, verify, gc, agent, demo, doctor, bench."""
+"""The ``fastckpt`` command: cp, mv, sync, rm, cat, ls, du, verify, gc, agent, bench-load, demo, doctor, bench."""
 
 from __future__ import annotations
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import re
+import statistics
 import sys
+import time
 from collections.abc import Callable
 
 from .. import __version__
@@ -184,6 +186,29 @@ def cmd_agent(args: argparse.Namespace) -> Result:
             "copies": [str(c["durable"]) for c in tier.copies()]}
 
 
+def cmd_bench_load(args: argparse.Namespace) -> Result:
+    rounds = [_timed_load(args) for _ in range(args.rounds)]
+    return {"uri": args.uri, "device": args.device, "files": rounds[0]["files"],
+            "tensor_bytes": rounds[0]["tensor_bytes"],
+            "median_gb_per_s": statistics.median(r["gb_per_s"] for r in rounds),
+            "median_first_shard_s": statistics.median(r["first_shard_s"] for r in rounds), "rounds": rounds}
+
+
+def _timed_load(args: argparse.Namespace) -> Result:
+    """One ``load_safetensors`` of ``args.uri``, timed: seconds, GB/s, and when the first file's tensors were in."""
+    try:
+        from ..torch.model_load import load_safetensors
+    except ImportError as exc:
+        raise ImportError(f"fastckpt bench-load needs torch ({exc}): pip install 'fastckpt[torch]'") from None
+    started, shards = time.perf_counter(), []
+    tensors = load_safetensors(args.uri, device=args.device, config=config_of(args),
+                               on_shard=lambda what: shards.append(time.perf_counter() - started))
+    seconds = time.perf_counter() - started
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return {"seconds": seconds, "first_shard_s": min(shards), "gb_per_s": nbytes / seconds / 1e9,
+            "files": len(shards), "tensor_bytes": nbytes}
+
+
 def cmd_demo(args: argparse.Namespace) -> Result:
     from ..demo import run_demo
 
@@ -206,4 +231,5 @@ def cmd_doctor(args: argparse.Namespace) -> Result:
 COMMANDS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "cp": cmd_cp, "mv": cmd_mv, "sync": cmd_sync, "rm": cmd_rm, "cat": cmd_cat, "ls": cmd_ls, "du": cmd_du,
     "verify": cmd_verify, "gc": cmd_gc, "agent": cmd_agent, "demo": cmd_demo, "doctor": cmd_doctor,
+    "bench-load": cmd_bench_load,
 }

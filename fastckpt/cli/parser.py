@@ -140,6 +140,11 @@ def build_parser(bench: bool = False) -> argparse.ArgumentParser:
     agent.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
                        help="address the metrics are served on (127.0.0.1; 0.0.0.0 for a scraper on another host)")
     agent.add_argument("--lock-fd", type=int, default=None, help=argparse.SUPPRESS)  # handed over by ensure_agent
+    bl = verb("bench-load", "time loading a safetensors model (one file or a Hugging Face folder) into tensors, "
+              "as an inference server would (needs torch)")
+    bl.add_argument("uri", help="a .safetensors object or a model folder, e.g. s3://b/models/llama-8b/")
+    bl.add_argument("--rounds", type=int, default=3, help="loads to time (default 3; the median is reported)")
+    bl.add_argument("--device", default="cpu", help="where the tensors land, e.g. cuda:0 (default cpu)")
     demo = verb("demo", "upload and download a synthetic checkpoint on the local disk, with timings")
     demo.add_argument("--size", default="1GiB", help="checkpoint size (default 1GiB)")
     demo.add_argument("--dir", default=None, help="scratch directory (default: system temp)")

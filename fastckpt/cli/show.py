@@ -71,6 +71,13 @@ def show(name: str, out: dict, args: object) -> None:
         print(f"  upload   {out['upload_s']:.2f} s  {out['upload_mib_s']:.0f} MiB/s")
         print(f"  download {out['download_s']:.2f} s  {out['download_mib_s']:.0f} MiB/s")
         print(f"  digests verified: {out['verified']}")
+    elif name == "bench-load":
+        print(f"{out['uri']}: {out['files']} file(s), {out['tensor_bytes'] / 1e9:.2f} GB of tensors to {out['device']}")
+        for r in out["rounds"]:
+            print(f"  {r['seconds']:.2f} s  {r['gb_per_s']:.2f} GB/s  first file's tensors after "
+                  f"{r['first_shard_s']:.2f} s")
+        print(f"median {out['median_gb_per_s']:.2f} GB/s; first file's tensors after "
+              f"{out['median_first_shard_s']:.2f} s")
     elif name == "gc":
         _gc(out)
     elif name == "agent":

@@ -28,7 +28,7 @@ from ..integrity import ChunkHasher, FileDigest
 from ..stores.base import Store
 from ..uri import StorageURI
 from .format import Header, flatten, parse_header, state_of
-from .load import Target, check_given, destinations, file_layout, header_bytes, load_file, state_files
+from .load import StoredFile, Target, check_given, destinations, file_layout, header_bytes, load_file, state_files
 
 Range = tuple[int, int, int]
 """(start, end, owner rank) of a part of one file."""
@@ -51,7 +51,7 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
     if call.rank == 0:
         try:
             ckpt = await open_checkpoint_async(base, config=cfg, store=store)
-            plan = {"saved": ckpt.info.world_size or 1, "chunks": {n: list(c) for n, c in ckpt.chunks.items()},
+            plan = {"saved": ckpt.info.world_size or 1, "chunks": dict(ckpt.chunks),
                     "files": {n: (d.size, d.chunk_size, d.digest) for n, d in ckpt.files.items() if d is not None},
                     "root": ckpt.root}
         except Exception as exc:
@@ -77,8 +77,9 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
     if len({n for mine in everyone for n in mine}) == sum(len(mine) for mine in everyone):
         header = await _load_own(call, files, names, base, cfg, store, given, device, loaded)
     else:
+        stored = {n: StoredFile(base.join(n), d, plan["chunks"].get(n), f"{base.raw}/{n}") for n, d in files.items()}
         for name in names:
-            header = await _load_file(call, plan, files, name, base, cfg, store, given, device, loaded)
+            header = await load_shared_file(call, stored, name, cfg, store, given, device, loaded)
     what = f"{base.raw}/{names[-1]}"
     missing = None
     try:
@@ -107,13 +108,13 @@ async def _load_own(call: GroupCall, files: dict[str, FileDigest], names: list[s
     return header
 
 
-async def _load_file(call: GroupCall, plan: dict[str, Any], files: dict[str, FileDigest], name: str,
-                     base: StorageURI, cfg: TransferConfig, store: Store, given: dict[str, torch.Tensor],
-                     device: str | torch.device | None, loaded: dict[str, torch.Tensor]) -> Header:
-    """One file of the state this rank loads, read once for the group (every rank calls this the same number of
-    times, each for its own file); its tensors go into ``loaded``, its header is returned."""
+async def load_shared_file(call: GroupCall, stored: dict[str, StoredFile], name: str, cfg: TransferConfig,
+                           store: Store, given: dict[str, torch.Tensor], device: str | torch.device | None,
+                           loaded: dict[str, torch.Tensor]) -> Header:
+    """One file of ``stored`` that this rank loads, read once for the group (every rank calls this the same number of
+    times, each for its own file ``name``); its tensors go into ``loaded``, its header is returned."""
     wanted = await call.gather(name)
-    digest, key, what = files[name], base.join(name), f"{base.raw}/{name}"
+    digest, key, what = stored[name].digest, stored[name].key, stored[name].what
     needers = [r for r, n in enumerate(wanted) if n == name]
     parts = ranges(digest.size, digest.chunk_size, needers)
     transfer = Transfer(store, cfg)
@@ -134,19 +135,21 @@ async def _load_file(call: GroupCall, plan: dict[str, Any], files: dict[str, Fil
                 if owner == call.rank:
                     got[start] = await read_layout(transfer, key, start, Layout(layout.pieces(start, end - start)),
                                                    digest.chunk_size)
-                    _check_chunks(got[start], plan["chunks"].get(name), start // digest.chunk_size, what, call.rank)
+                    _check_chunks(got[start], stored[name].chunks, start // digest.chunk_size, what, call.rank)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         await call.agree(error)
     finally:
         transfer.close()
     loaders = {n: [r for r, w in enumerate(wanted) if w == n] for n in sorted(set(wanted))}
-    plans = {n: (ranks, ranges(files[n].size, files[n].chunk_size, ranks)) for n, ranks in loaders.items()}
+    plans = {n: (ranks, ranges(stored[n].digest.size, stored[n].digest.chunk_size, ranks))
+             for n, ranks in loaders.items()}
     received = await call.run(lambda: _exchange(call, plans, layout, digest.chunk_size))
     got.update(received)
     error = None
     try:
-        digest.check([d for start in sorted(got) for d in got[start]], what)
+        if digest.digest:  # a file without recorded digests: its size and header checked only
+            digest.check([d for start in sorted(got) for d in got[start]], what)
         if bytes(head) != header.raw:
             raise IntegrityError(f"{what}: the header received differs from the one parsed")
     except IntegrityError as exc:
@@ -167,9 +170,9 @@ async def _header(transfer: Transfer, key: str, digest: FileDigest, what: str) -
         return b"", f"{type(exc).__name__}: {exc}"
 
 
-def _check_chunks(found: list[bytes], recorded: list[str] | None, first: int, what: str, rank: int) -> None:
+def _check_chunks(found: list[bytes], recorded: tuple[str, ...] | None, first: int, what: str, rank: int) -> None:
     """The chunks fetched here are those the manifest records (verified where they were fetched)."""
-    if recorded is not None and [d.hex() for d in found] != recorded[first:first + len(found)]:
+    if recorded is not None and tuple(d.hex() for d in found) != recorded[first:first + len(found)]:
         raise IntegrityError(f"{what}: chunks from {first} fetched by rank {rank} differ from the manifest's")
 
 

@@ -34,6 +34,17 @@ HEAD_READ = 64 << 10
 """Bytes read first to find the header (one more request when the header is longer)."""
 
 
+@dataclass(frozen=True)
+class StoredFile:
+    """One tensor file to load: its key in the store, its digest, the chunk digests its checkpoint's manifest
+    records (None where there is none), and how errors name it."""
+
+    key: str
+    digest: FileDigest
+    chunks: tuple[str, ...] | None
+    what: str
+
+
 @dataclass
 class Target:
     """Where one stored tensor goes: ``tensor`` itself, or (when it is not contiguous) ``bounce``, then copied

@@ -7,12 +7,18 @@ offsets inside the file, no overlaps, sizes that fit dtype and shape, a bounded 
 received by parallel ranged reads straight into the tensors (``load.load_file``). Verified against fastckpt's chunk
 digests where the files carry them: the manifests when ``uri`` is (in) a committed fastckpt checkpoint, else the
 digest a fastckpt upload records on each object; files without one are checked against their sizes and headers.
+
+With ``group=`` (the ranks of one server: tensor-parallel workers, or replicas), every rank calls it and ends with
+the whole model; each file is cut into one range per rank, each range read from the store by one rank and sent to the
+others over the group (``group_load``), so the store serves each byte once; a failure on any rank fails every rank.
 """
 
 from __future__ import annotations
 
 import json
 import posixpath
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,7 +35,7 @@ from ..integrity import FileDigest
 from ..stores.base import Store
 from ..tasks import gather_all
 from ..uri import StorageURI, parse_uri
-from .load import load_file
+from .load import StoredFile, load_file
 
 INDEX = "model.safetensors.index.json"
 SUFFIX = ".safetensors"
@@ -38,28 +44,41 @@ __all__ = ["load_safetensors", "load_safetensors_async"]
 
 
 def load_safetensors(uri: str | StorageURI, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                     config: TransferConfig | None = None) -> dict[str, torch.Tensor]:
+                     group: Any = None, config: TransferConfig | None = None,
+                     on_shard: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of the safetensors model at ``uri`` by name, as ``safetensors.torch.load_file`` returns them
-    (``dtype``: floating tensors cast to it, as ``from_pretrained(torch_dtype=)``; ``device``: where they land)."""
-    return BackgroundLoop.get().run(load_safetensors_async(uri, device=device, dtype=dtype, config=config))
+    (``dtype``: floating tensors cast to it, as ``from_pretrained(torch_dtype=)``; ``device``: where they land;
+    ``group``: a ``torch.distributed`` process group whose every rank calls this, each byte read from the store once
+    for all of them; ``on_shard(uri)``: called as each file's tensors are all in place, verified)."""
+    return BackgroundLoop.get().run(load_safetensors_async(uri, device=device, dtype=dtype, group=group,
+                                                           config=config, on_shard=on_shard))
 
 
 @stats.summarized("load_safetensors")
 async def load_safetensors_async(uri: str | StorageURI, *, device: str | torch.device = "cpu",
-                                 dtype: torch.dtype | None = None, config: TransferConfig | None = None
+                                 dtype: torch.dtype | None = None, group: Any = None,
+                                 config: TransferConfig | None = None, on_shard: Callable[[str], None] | None = None
                                  ) -> dict[str, torch.Tensor]:
     """Async twin of ``load_safetensors``."""
+    done = on_shard or (lambda what: None)
     target = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
     cfg = config or TransferConfig.from_env()
     async with store_for(target, cfg) as store:
-        files = await model_files(store, target, cfg)
-        found: list[dict[str, torch.Tensor]] = [{} for _ in files]
-        transfer = Transfer(store, cfg)
-        try:  # the shards side by side: each one's header, then its tensors' parts, share the transfer's limits
-            await gather_all(load_file(transfer, key, digest, target.with_key(key).uri(), {}, device, None, into)
-                             for (key, digest), into in zip(files, found, strict=True))
-        finally:
-            transfer.close()
+        if group is not None:
+            found = await _load_in_group(target, cfg, store, group, device, done)
+        else:
+            files = await model_files(store, target, cfg)
+            found = [{} for _ in files]
+            transfer = Transfer(store, cfg)
+
+            async def one(f: StoredFile, into: dict[str, torch.Tensor]) -> None:
+                await load_file(transfer, f.key, f.digest, f.what, {}, device, None, into)
+                done(f.what)
+
+            try:  # the shards side by side: each one's header, then its tensors' parts, share the transfer's limits
+                await gather_all(one(f, into) for f, into in zip(files, found, strict=True))
+            finally:
+                transfer.close()
     loaded: dict[str, torch.Tensor] = {}
     for shard in found:
         twice = sorted(set(shard) & set(loaded))
@@ -71,22 +90,51 @@ async def load_safetensors_async(uri: str | StorageURI, *, device: str | torch.d
     return loaded
 
 
-async def model_files(store: Store, target: StorageURI, cfg: TransferConfig) -> list[tuple[str, FileDigest]]:
-    """(key, digest) of each safetensors file of the model at ``target``: the object itself, the shards its index
-    names, or every ``*.safetensors`` below it; digests from a committed checkpoint's manifests, else the objects'."""
+async def _load_in_group(target: StorageURI, cfg: TransferConfig, store: Store, group: Any,
+                         device: str | torch.device, done: Callable[[str], None]) -> list[dict[str, torch.Tensor]]:
+    """Each file's tensors, by file, loaded by every rank of ``group`` with each byte read from the store once: group
+    rank 0 finds the files and their digests and tells the others, then the ranks load the files one by one, each
+    reading its range and sending it to the rest."""
+    from ..checkpoint.group import GroupCall
+    from .group_load import load_shared_file
+
+    call = await GroupCall.of(group, f"load of model {target.raw} by its process group")
+    plan: dict[str, Any] = {}
+    if call.rank == 0:
+        try:
+            plan = {"files": await model_files(store, target, cfg)}
+        except Exception as exc:
+            plan = {"error": f"{type(exc).__name__}: {exc}"}
+    plan = await call.share_plan(plan, store)
+    call.raise_first([plan.get("error")])
+    files: list[StoredFile] = plan["files"]
+    stored = {f.key: f for f in files}
+    found: list[dict[str, torch.Tensor]] = []
+    for f in files:
+        found.append({})
+        await load_shared_file(call, stored, f.key, cfg, store, {}, device, found[-1])
+        done(f.what)
+    return found
+
+
+async def model_files(store: Store, target: StorageURI, cfg: TransferConfig) -> list[StoredFile]:
+    """Each safetensors file of the model at ``target``: the object itself, the shards its index names, or every
+    ``*.safetensors`` below it; digests from a committed checkpoint's manifests, else the objects'."""
     ckpt = await _checkpoint(store, target, cfg)
     if target.key.endswith(SUFFIX):
         base, names = posixpath.dirname(target.key), [posixpath.basename(target.key)]
     else:
         base, names = target.key, await _shard_names(store, target, ckpt)
 
-    async def located(name: str) -> tuple[str, FileDigest]:
+    async def located(name: str) -> StoredFile:
         recorded = ckpt.files.get(name) if ckpt is not None else None
         if ckpt is not None and recorded is not None:
-            return ckpt.file_key(name), recorded
+            key = ckpt.file_key(name)
+            return StoredFile(key, recorded, ckpt.chunks.get(name), target.with_key(key).uri())
         key = posixpath.join(base, name) if base else name
         meta = await store.head(key)  # the shards' heads side by side: one round trip for all
-        return key, FileDigest.from_metadata(meta.size, meta.metadata) or FileDigest(meta.size, cfg.part_size, "")
+        digest = FileDigest.from_metadata(meta.size, meta.metadata) or FileDigest(meta.size, cfg.part_size, "")
+        return StoredFile(key, digest, None, target.with_key(key).uri())
 
     return await gather_all(located(n) for n in names)
 

@@ -4,7 +4,8 @@ Spec keys: uri, world, port, out, group (share the download over the process gro
 (a rank that exits when the exchange starts, the DCP reader's included; or null), unreadable (a rank whose reads of
 its own files fail during the exchange, or null), mode (``download``, the default: each rank downloads to
 ``{out}/rank-N/``; ``load``: each rank loads stored rank 0's tensor state with ``fastckpt.torch.load``; ``own``: each
-rank loads its own stored rank's state; ``dcp``:
+rank loads its own stored rank's state; ``safetensors``: each rank loads the safetensors model at ``uri`` with
+``fastckpt.torch.load_safetensors``; ``dcp``:
 each rank loads the tensors ``keys[rank]`` of a DCP checkpoint with ``dcp.load`` and fastckpt's ``Reader``). Each rank
 records ``{out}/rank-N.json``: ``{"ok": ..., "error": ..., "files": {name or tensor key: sha256}, "seconds": ...}``.
 """
@@ -51,8 +52,9 @@ def rank_main(rank: int, spec: dict) -> None:
     try:
         if spec.get("mode") == "dcp":
             files = dcp_load(spec["uri"], spec["keys"][rank], group, config)
-        elif spec.get("mode") in ("load", "own"):
-            state = ft.load(spec["uri"], rank=rank if spec["mode"] == "own" else 0, group=group, config=config)
+        elif spec.get("mode") in ("load", "own", "safetensors"):
+            state = (ft.load_safetensors(spec["uri"], group=group, config=config) if spec["mode"] == "safetensors"
+                     else ft.load(spec["uri"], rank=rank if spec["mode"] == "own" else 0, group=group, config=config))
             files = {k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
                      for k, v in state.items()}
         else:
