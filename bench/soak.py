@@ -321,7 +321,7 @@ class Soak:
         drained = self.drained(300)
         self._check_commits()
         sent = self.proxy.moved["up"]
-        report = fastckpt.gc(self.direct, older_than_s=0)
+        report = fastckpt.gc(self.direct, older_than=0)
         infos = fastckpt.list_checkpoints(self.direct)
         committed = [i for i in infos if i.state == "committed"]
         unverified = [i.name for i in committed if not fastckpt.verify(i.uri).ok]

@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from . import stats
 from ._loop import BackgroundLoop
 from .checkpoint.base import base_objects
-from .checkpoint.catalog import latest_async as catalog_latest
-from .checkpoint.catalog import target_of
+from .checkpoint.catalog import newest_committed, target_of
 from .checkpoint.manifest import META_DIR, is_marker, marker_key
 from .checkpoint.reader import download_checkpoint_async
 from .config import TransferConfig
@@ -239,8 +238,8 @@ async def latest_async(uri: str | StorageURI, *, tier: PathLike | Tier | None = 
     tier directory): its copies count too, committed there and perhaps not yet drained (``fastckpt.tier``); read the
     one returned with ``tier=`` to read the nearest copy."""
     if tier is None:
-        return await catalog_latest(uri, config=config)
-    return await latest_across(uri, tier if isinstance(tier, Tier) else Tier(tier), config)
+        return await newest_committed(uri, config=config)
+    return await latest_across(uri, tier if isinstance(tier, Tier) else Tier(tier), config=config)
 
 
 def latest(uri: str | StorageURI, *, tier: PathLike | Tier | None = None,

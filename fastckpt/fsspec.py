@@ -111,7 +111,7 @@ class FastckptFileSystem(AsyncFileSystem, ChainedFileSystem):
     def _handler(self, scheme: str, base: str) -> FastckptHandler:
         found = self._handlers.get((scheme, base))
         if found is None:
-            found = self._handlers[(scheme, base)] = handler(base, self.config)
+            found = self._handlers[(scheme, base)] = handler(base, config=self.config)
         return found
 
     @staticmethod

@@ -6,14 +6,19 @@
     trainer.train(resume_from_checkpoint=restore_latest("s3://bucket/run", args.output_dir))
 
 ``UploadCheckpoints`` uploads each checkpoint folder the Trainer saves (``checkpoint-<step>``) as a committed fastckpt
-checkpoint below its URI, on a thread of its own: training goes on while it uploads, and the callback waits for the
-last upload when training ends. The folder is first linked into a staging folder beside it (hard links: no bytes
-copied), so the Trainer's ``save_total_limit`` may delete it meanwhile. ``restore_latest`` downloads the newest
-committed one (verified) for ``resume_from_checkpoint``.
+checkpoint below its URI, on a thread of its own: training goes on while it uploads, and the callback waits for the last
+upload when training ends. The folder is first linked into a staging folder beside it (hard links: no bytes copied), so
+the Trainer's ``save_total_limit`` may delete it meanwhile. Each commit records the step, the epoch and the newest value
+of every number the Trainer logged (``eval_loss``, ``loss`` ...) as its metrics; ``retention=`` (a
+``fastckpt.Retention``, such as ``Retention(keep_last=3, best=1, metric="eval_loss")``) then removes the uploads it does
+not keep, as ``save_total_limit`` does locally. ``restore_latest`` downloads the newest committed one (verified) for
+``resume_from_checkpoint``.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import shutil
 import tempfile
@@ -22,9 +27,14 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .checkpoint import SyncCheckpointWriter, download_checkpoint, latest
+from ._loop import run_sync
+from .checkpoint import Retention, SyncCheckpointWriter, apply_retention, download_checkpoint
+from .checkpoint.catalog import newest_committed
 from .config import TransferConfig
+from .deprecation import keywords_only
 from .uri import join_key, parse_uri
+
+log = logging.getLogger("fastckpt")
 
 __all__ = ["UploadCheckpoints", "restore_latest"]
 
@@ -33,9 +43,11 @@ class UploadCheckpoints(TrainerCallback):
     """A ``TrainerCallback`` that commits every checkpoint folder the Trainer saves to ``uri``/``checkpoint-<step>``
     (the main process of the job uploads; the others do nothing)."""
 
-    def __init__(self, uri: str, config: TransferConfig | None = None) -> None:
+    @keywords_only(2, "config")
+    def __init__(self, uri: str, *, config: TransferConfig | None = None, retention: Retention | None = None) -> None:
         self.uri = uri
         self.config = config
+        self.retention = retention
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[Future[str]] = []
         self.uploaded: list[str] = []
@@ -51,7 +63,7 @@ class UploadCheckpoints(TrainerCallback):
         staged = _link_tree(folder)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-hf-upload")
-        self._pending.append(self._executor.submit(self._upload, staged, self._target(name)))
+        self._pending.append(self._executor.submit(self._upload, staged, self._target(name), _logged(state)))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Wait for every upload queued (and raise the first that failed)."""
@@ -66,12 +78,17 @@ class UploadCheckpoints(TrainerCallback):
         uri = parse_uri(self.uri)
         return uri.with_key(join_key(uri.key, name)).uri()
 
-    def _upload(self, staged: str, target: str) -> str:
+    def _upload(self, staged: str, target: str, metrics: dict[str, float]) -> str:
         try:
-            with SyncCheckpointWriter(target, config=self.config) as writer:
+            with SyncCheckpointWriter(target, config=self.config, metrics=metrics) as writer:
                 writer.put_dir(staged)
         finally:
             shutil.rmtree(os.path.dirname(staged), ignore_errors=True)
+        if self.retention is not None:
+            try:
+                apply_retention(self.uri, self.retention, config=self.config)
+            except Exception as exc:  # the upload is committed: the next one tries again
+                log.warning("retention below %s failed after committing %s: %s", self.uri, target, exc)
         return target
 
     def _collect(self, block: bool) -> None:
@@ -79,6 +96,16 @@ class UploadCheckpoints(TrainerCallback):
         self._pending = [f for f in self._pending if f not in done]
         for future in done:
             self.uploaded.append(future.result())
+
+
+def _logged(state: Any) -> dict[str, float]:
+    """The step and epoch, and the newest value of every finite number in the Trainer's log history (``eval_loss``,
+    ``loss`` ...)."""
+    found: dict[str, float] = {"step": float(state.global_step), "epoch": float(state.epoch or 0.0)}
+    for entry in state.log_history:
+        found.update((k, float(v)) for k, v in entry.items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+    return found
 
 
 def _link_tree(folder: str) -> str:
@@ -96,10 +123,11 @@ def _link(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def restore_latest(uri: str, output_dir: str, config: TransferConfig | None = None) -> str | None:
+@keywords_only(2, "config")
+def restore_latest(uri: str, output_dir: str, *, config: TransferConfig | None = None) -> str | None:
     """Download the newest committed checkpoint below ``uri`` into ``output_dir``/``<its name>``; the local folder
     (for ``Trainer.train(resume_from_checkpoint=...)``), or None when there is none."""
-    newest = latest(uri, config=config)
+    newest = run_sync(newest_committed(uri, config=config))
     if newest is None:
         return None
     folder = os.path.join(output_dir, parse_uri(newest).key.rstrip("/").rsplit("/", 1)[-1])

@@ -98,7 +98,7 @@ def store_uri(backend: str, tmp_path, request: pytest.FixtureRequest) -> str:
 async def store(store_uri: str):
     """(store, base key) for ``store_uri``; closed after the test."""
     uri = parse_uri(store_uri)
-    async with open_store(uri, small_config()) as s:
+    async with open_store(uri, config=small_config()) as s:
         yield s, uri
 
 

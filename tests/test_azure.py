@@ -104,7 +104,7 @@ async def blob_exists_with_blocks(azurite: Azurite, key: str) -> bool:
 
 async def test_failed_upload_leaves_no_visible_blob(azure_uri: str, azurite: Azurite, tmp_path: Path) -> None:
     uri = parse_uri(azure_uri)
-    inner = open_store(uri, small_config())
+    inner = open_store(uri, config=small_config())
     store = FaultInjectingStore(inner, fail_after=3, ops={"put_part"})
     src = tmp_path / "big.bin"
     src.write_bytes(os.urandom(6 * (256 << 10) + 5))
@@ -126,7 +126,7 @@ async def test_failed_upload_leaves_no_visible_blob(azure_uri: str, azurite: Azu
 
 async def test_staged_blocks_are_invisible_until_committed(azure_uri: str, azurite: Azurite) -> None:
     uri = parse_uri(azure_uri)
-    async with open_store(uri, small_config()) as store:
+    async with open_store(uri, config=small_config()) as store:
         mpu = await store.create_multipart(uri.join("staged"), 1024)
         parts = [await mpu.put_part(i, bytes([i]) * 1024) for i in range(3)]
         assert await blob_exists_with_blocks(azurite, uri.join("staged"))
@@ -143,7 +143,7 @@ async def test_staged_blocks_are_invisible_until_committed(azure_uri: str, azuri
 async def test_abort_keeps_the_committed_blob(azure_uri: str) -> None:
     uri = parse_uri(azure_uri)
     key = uri.join("keep")
-    async with open_store(uri, small_config()) as store:
+    async with open_store(uri, config=small_config()) as store:
         await store.put(key, b"committed version")
         mpu = await store.create_multipart(key, 1024)
         await mpu.put_part(0, os.urandom(1024))
@@ -210,7 +210,7 @@ async def test_uri_forms_reach_azurite(form: str, azurite: Azurite, monkeypatch:
     base, _, query = uri.partition("?")
     await fastckpt.upload_async(tmp_path / "f.bin", f"{base}/f.bin" + (f"?{query}" if query else ""),
                                 config=small_config())
-    async with open_store(parsed, small_config()) as store:
+    async with open_store(parsed, config=small_config()) as store:
         assert await store.get_range(parsed.join("f.bin"), 0, 100) == b"payload " + form.encode()
 
 
@@ -221,7 +221,7 @@ async def test_account_key_and_sas_from_environment(azure_uri: str, azurite: Azu
     uri = parse_uri(azure_uri)
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", EMULATOR_ACCOUNT)
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", EMULATOR_KEY)
-    async with open_store(uri, small_config()) as store:
+    async with open_store(uri, config=small_config()) as store:
         assert store.options.source == "the account key from the environment"  # type: ignore[attr-defined]
         await store.put(uri.join("by-key"), b"k")
     monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_KEY")
@@ -229,7 +229,7 @@ async def test_account_key_and_sas_from_environment(azure_uri: str, azurite: Azu
                                  permission=ContainerSasPermissions(read=True, write=True, list=True),
                                  expiry=datetime.now(timezone.utc) + timedelta(hours=1))
     monkeypatch.setenv("AZURE_STORAGE_SAS_TOKEN", "?" + sas)
-    async with open_store(uri, small_config()) as store:
+    async with open_store(uri, config=small_config()) as store:
         assert store.options.source == "AZURE_STORAGE_SAS_TOKEN"  # type: ignore[attr-defined]
         await store.put(uri.join("by-sas"), b"s")
         assert sorted([m.key async for m in store.list(uri.key)]) == [uri.join("by-key"), uri.join("by-sas")]
@@ -271,7 +271,7 @@ def test_endpoint_resolution() -> None:
 
 async def test_missing_container_is_named(azurite: Azurite, tmp_path: Path) -> None:
     uri = parse_uri(f"az://no-such-container/p?account={EMULATOR_ACCOUNT}&{emulator_options(azurite)}")
-    async with open_store(uri, small_config()) as store:
+    async with open_store(uri, config=small_config()) as store:
         for op in (store.head("p/x"), store.put("p/x", b"1"), store.delete("p/x"),
                    store.get_range("p/x", 0, 1), anext(store.list("p"))):
             with pytest.raises(ObjectNotFoundError) as info:
@@ -290,7 +290,7 @@ async def test_bad_key_is_access_denied_without_the_key(azure_uri: str, azurite:
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING",
                        azurite.connection_string.replace(EMULATOR_KEY, bad_key))
     uri = parse_uri(azure_uri.split("?")[0])  # credentials from the connection string only
-    async with open_store(uri, small_config()) as store:
+    async with open_store(uri, config=small_config()) as store:
         for op in (store.head(uri.join("x")), store.put(uri.join("x"), b"1"), anext(store.list(uri.key))):
             with pytest.raises(AccessDeniedError) as info:
                 await op
@@ -323,7 +323,7 @@ async def test_metadata_keys_roundtrip_through_azurite(azure_uri: str, azurite: 
     uri = parse_uri(azure_uri)
     metadata = {"fastckpt-xxh3": "00ff", "fastckpt-chunk": "42", "snake_case": "1", "9lives": "2",
                 "dots.and-dashes": "3", "état": "4"}
-    async with open_store(uri, small_config()) as store:
+    async with open_store(uri, config=small_config()) as store:
         await store.put(uri.join("m"), b"abc", metadata=metadata)
         assert (await store.head(uri.join("m"))).metadata == metadata
         mpu = await store.create_multipart(uri.join("mp"), 1024)
@@ -340,7 +340,7 @@ async def test_sdk_internals_this_backend_reads_keep_their_shape(azure_uri: str)
     """``shared_key_signer`` is where the private SDK part is used (its shared-key policy signs the data path's
     requests): Azurite accepts what it signs, a wrong key is refused, and its absence is a clear error."""
     uri = parse_uri(azure_uri)
-    async with open_store(uri, small_config()) as store:
+    async with open_store(uri, config=small_config()) as store:
         await store.put(uri.join("shape"), b"0123456789")
         buf = bytearray(4)
         resp = await store.inner.client.send("GET", uri.join("shape"), "", {"x-ms-range": "bytes=2-5"},

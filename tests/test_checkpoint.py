@@ -58,7 +58,7 @@ async def write_ranks(uri: str, tmp_path, *, contributors, barrier, attempt: str
     raises inside its block; ranks in ``absent`` never show up; rank r writes through ``stores[r]`` when given.
     """
     name = parse_uri(uri).key.rsplit("/", 1)[-1]
-    store = open_store(uri, small_config())  # one client for all ranks of this process
+    store = open_store(uri, config=small_config())  # one client for all ranks of this process
 
     async def rank(r: int):
         async with fastckpt.CheckpointWriter(uri, rank=r, world_size=world, barrier=barrier, attempt=attempt,
@@ -81,14 +81,14 @@ async def write_ranks(uri: str, tmp_path, *, contributors, barrier, attempt: str
 
 async def keys_below(uri: str) -> list[str]:
     parsed = parse_uri(uri)
-    async with open_store(parsed, small_config()) as store:
+    async with open_store(parsed, config=small_config()) as store:
         return sorted([m.key[len(parsed.key) + 1:] async for m in store.list(parsed.key)])
 
 
 async def corrupt_object(uri: str, rel: str) -> None:
     """Flip one byte in the middle of object ``rel`` below ``uri`` (keeping its metadata)."""
     parsed = parse_uri(uri)
-    async with open_store(parsed, small_config()) as store:
+    async with open_store(parsed, config=small_config()) as store:
         key = parsed.join(rel)
         meta = await store.head(key)
         data = bytearray(await store.get_range(key, 0, meta.size))
@@ -165,7 +165,7 @@ async def test_stale_files_of_dead_attempt_are_ignored(store_uri: str, tmp_path)
     assert (out / "model-00001.safetensors").read_bytes() == payload("step-7", "a2", 1, 0)
     assert (await fastckpt.verify_async(uri, config=small_config())).ok
 
-    report = await fastckpt.gc_async(store_uri, older_than_s=0, config=small_config())
+    report = await fastckpt.gc_async(store_uri, older_than=0, config=small_config())
     assert "model-00000.safetensors" in [k.rsplit("/", 1)[-1] for k in report.removed]
     keys = await keys_below(uri)
     assert not any(k.startswith(".fastckpt/a1/") for k in keys)
@@ -363,16 +363,16 @@ async def test_gc(fast_uri: str, tmp_path) -> None:
         await (await store.create_multipart(base.join("other", "o.bin"), 1 << 20)).put_part(0, b"y")
         await store.put(base.join("other", "keep.bin"), b"k")
 
-    recent = await fastckpt.gc_async(fast_uri, older_than_s=3600)
+    recent = await fastckpt.gc_async(fast_uri, older_than=3600)
     assert recent.removed == [] and recent.aborted_uploads == []
     assert sorted(recent.skipped) == ["dead: uncommitted, written to recently"]
 
     before = await keys_below(fast_uri)
-    dry = await fastckpt.gc_async(fast_uri, older_than_s=0, dry_run=True)
+    dry = await fastckpt.gc_async(fast_uri, older_than=0, dry_run=True)
     assert dry.dry_run and dry.removed
     assert before == await keys_below(fast_uri)
 
-    report = await fastckpt.gc_async(fast_uri, older_than_s=0)
+    report = await fastckpt.gc_async(fast_uri, older_than=0)
     assert sorted(report.removed) == sorted(dry.removed)
     assert sorted(report.aborted_uploads) == sorted([base.join("dead", "big.bin"), base.join("other", "o.bin")])
     rel = sorted(k[len(base.key) + 1:] for k in report.removed)
@@ -414,7 +414,7 @@ def test_sync_writer_on_threads(tmp_path) -> None:
     files = fastckpt.download_checkpoint(uri, tmp_path / "out")
     assert sorted(os.path.basename(f.path) for f in files) == ["shard-1.bin", "shard-3.bin"]
     assert [i.state for i in fastckpt.list_checkpoints(f"file://{tmp_path}/runs")] == ["committed"]
-    assert fastckpt.gc(f"file://{tmp_path}/runs", older_than_s=0).removed == []
+    assert fastckpt.gc(f"file://{tmp_path}/runs", older_than=0).removed == []
 
 
 def test_formats_round_trip_and_reject_unknown() -> None:

@@ -54,7 +54,7 @@ def free_port() -> int:
 async def list_keys(uri: str) -> list[str]:
     """Keys below ``uri``, relative to it."""
     parsed = parse_uri(uri)
-    async with open_store(parsed, small_config()) as store:
+    async with open_store(parsed, config=small_config()) as store:
         return sorted([m.key[len(parsed.key) + 1:] async for m in store.list(parsed.key)])
 
 
@@ -182,7 +182,7 @@ async def crash_and_recover(base: str, tmp_path: Path, barrier: str, at: str) ->
     assert (await fastckpt.latest_async(base)).split("?")[0].endswith("/step-2")
     await check_contents(uri, "step-2", "a2", SUBSETS["all"], tmp_path / "restored")
 
-    report = await fastckpt.gc_async(base, older_than_s=0, config=small_config())
+    report = await fastckpt.gc_async(base, older_than=0, config=small_config())
     removed = {k.split("/step-2/", 1)[1] for k in report.removed if "/step-2/" in k}
     assert "scratch/rank-1.bin" in removed
     assert any(k.startswith(".fastckpt/a1/") for k in removed)
@@ -191,7 +191,7 @@ async def crash_and_recover(base: str, tmp_path: Path, barrier: str, at: str) ->
     keys = await list_keys(uri)
     assert not any(k.startswith(("scratch/", ".fastckpt/a1/")) for k in keys), keys
     parsed = parse_uri(base)
-    async with open_store(parsed, small_config()) as store:
+    async with open_store(parsed, config=small_config()) as store:
         assert await store.list_pending_uploads(parsed.key) == []
     assert (await fastckpt.verify_async(uri, config=small_config())).ok
     assert (await fastckpt.verify_async(below(base, "step-1"), config=small_config())).ok

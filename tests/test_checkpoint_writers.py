@@ -59,7 +59,7 @@ async def test_loser_after_the_commit_writes_nothing(store_uri: str, tmp_path, a
     await b.__aenter__()
     async with writer(uri, first) as a:
         await put_both(a, a_small, a_big)
-    async with open_store(uri, small_config()) as store:
+    async with open_store(uri, config=small_config()) as store:
         committed_manifest = await read_object(store, manifest)
 
     with pytest.raises(CheckpointError, match=r"already committed.*not written") as failed:
@@ -67,7 +67,7 @@ async def test_loser_after_the_commit_writes_nothing(store_uri: str, tmp_path, a
     await b.__aexit__(CheckpointError, failed.value, None)  # B hands its failure record to the barrier
     assert b.result is None
     await assert_holds(uri, tmp_path, small, big)
-    async with open_store(uri, small_config()) as store:
+    async with open_store(uri, config=small_config()) as store:
         assert await read_object(store, manifest) == committed_manifest
 
 

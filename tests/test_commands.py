@@ -31,7 +31,7 @@ def at(base: str, rel: str) -> str:
 async def keys(base: str) -> list[str]:
     """The relative keys of every object below ``base``."""
     uri = parse_uri(base)
-    async with open_store(uri, small_config()) as s:
+    async with open_store(uri, config=small_config()) as s:
         return sorted([m.key[len(uri.key):].lstrip("/") async for m in s.list(uri.key)])
 
 
@@ -144,7 +144,7 @@ async def test_mv_within_a_store_to_and_from_local_and_cp_across_stores(store_ur
     other = f"file://{tmp_path}/other"  # another store: streamed, verified, digests recorded anew
     await mirror.copy_async(at(store_uri, "kept/step-1/w.bin"), f"{other}/", config=cfg)
     assert (tmp_path / "other" / "w.bin").read_bytes() == data["w.bin"]
-    async with open_store(parse_uri(other), cfg) as s:
+    async with open_store(parse_uri(other), config=cfg) as s:
         moved = await s.head(parse_uri(other).join("w.bin"))
     assert FileDigest.from_metadata(moved.size, moved.metadata) is not None
 
@@ -190,7 +190,7 @@ async def test_sync_sends_what_differs_by_digest(store_uri: str, tmp_path: Path,
 
 async def test_sync_without_digests_goes_by_size_and_time(store_uri: str, tmp_path: Path) -> None:
     uri = parse_uri(at(store_uri, "plain"))
-    async with open_store(uri, small_config()) as s:
+    async with open_store(uri, config=small_config()) as s:
         await s.put(uri.join("a"), b"12345")  # written by another tool: no digest
         await s.put(uri.join("b"), b"12345")
     out = tree(tmp_path / "out", {"a": b"abcde", "b": b"abcde"})

@@ -77,7 +77,7 @@ async def test_uri_round_trip(store, name: str) -> None:
     key = uri.join(name)
     await s.put(key, b"round trip")
     parsed = parse_uri(s.uri(key))
-    async with open_store(parsed, small_config()) as again:
+    async with open_store(parsed, config=small_config()) as again:
         assert again.location == s.location
         assert parsed.key == key
         assert await again.get_range(parsed.key, 0, 100) == b"round trip"
@@ -90,7 +90,7 @@ async def test_a_store_taking_what_another_learned_works_alike(store) -> None:
     await s.put(uri.join("learn/a"), b"learned")
     learned = s.learned()
     assert isinstance(learned, dict)
-    async with open_store(parse_uri(s.uri(uri.join("learn"))), small_config()) as again:
+    async with open_store(parse_uri(s.uri(uri.join("learn"))), config=small_config()) as again:
         again.assume(learned)
         assert await again.get_range(uri.join("learn/a"), 0, 7) == b"learned"
         assert [m.key async for m in again.list(uri.join("learn"))] == [uri.join("learn/a")]
@@ -140,7 +140,7 @@ async def test_delete_listed(store) -> None:
     assert len(listed) == 4
     await s.delete_listed(listed)
     assert [m async for m in s.list(uri.join("d"))] == []
-    assert await s.list_orphans(uri.key, older_than=time.time() + 60) == []
+    assert await s.list_orphans(uri.key, before=time.time() + 60) == []
 
 
 async def test_head_and_get_missing(store) -> None:

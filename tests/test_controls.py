@@ -48,7 +48,7 @@ async def every_request_class(uri: str, tmp_path: Path) -> None:
     await fastckpt.download_async(uri, out, config=cfg)
     assert (out / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
     loc = parse_uri(uri)
-    async with open_store(loc, cfg) as store:
+    async with open_store(loc, config=cfg) as store:
         big = await store.head(f"{loc.key}/big.bin")
         small = await store.head(f"{loc.key}/small.bin")
         try:
@@ -140,7 +140,7 @@ async def test_s3_controls_on_every_request_class(moto_server, s3_uri: str, tmp_
         proxy.throttle(1000)  # records each request; throttles none
         uri = with_options(s3_uri.replace(moto_server.endpoint, proxy.url), **options)
         await every_request_class(uri, tmp_path)
-        async with open_store(uri, small_config()) as store:  # metadata only botocore sends: the SDK's requests
+        async with open_store(uri, config=small_config()) as store:  # metadata only botocore sends: the SDK's requests
             await store.put(f"{parse_uri(uri).key}/sdk.bin", b"x", metadata={"note": "a\tb"})
     kinds = checked(proxy, s3_kind, s3_expect_kms if mode == "kms" else s3_expect_customer)
     assert kinds >= S3_OF_OBJECT | {"Bucket"}, kinds

@@ -36,9 +36,9 @@ OBJECT_STORES = ("memory", "s3", "gcs", "azure")
 
 def facade(uri: str, config: TransferConfig | None = None, wrapper=None) -> tuple[pafs.FileSystem, str]:
     """(filesystem, base path) for a fresh store URI; the base directory exists."""
-    plain, base = ffs.from_uri(uri, config or small_config())
+    plain, base = ffs.from_uri(uri, config=config or small_config())
     plain.create_dir(base, recursive=True)
-    return (ffs.from_uri(uri, config or small_config(), store_wrapper=wrapper)[0] if wrapper else plain), base
+    return (ffs.from_uri(uri, config=config or small_config(), store_wrapper=wrapper)[0] if wrapper else plain), base
 
 
 def store_of(fs: pafs.FileSystem, path: str) -> tuple[Store, str]:
@@ -476,20 +476,20 @@ async def test_calls_from_inside_a_running_event_loop(store_uri: str) -> None:
 
 def test_pickle_and_equality(tmp_path: Path) -> None:
     cfg = small_config()
-    a = ffs.filesystem("s3://bucket?endpoint_override=http://127.0.0.1:9", cfg)
-    b = ffs.filesystem("s3://other-bucket?endpoint_override=http://127.0.0.1:9", cfg)
-    c = ffs.filesystem("s3://bucket?endpoint_override=http://127.0.0.1:10", cfg)
-    d = ffs.filesystem("s3://bucket?endpoint_override=http://127.0.0.1:9", small_config(part_size=MiB))
+    a = ffs.filesystem("s3://bucket?endpoint_override=http://127.0.0.1:9", config=cfg)
+    b = ffs.filesystem("s3://other-bucket?endpoint_override=http://127.0.0.1:9", config=cfg)
+    c = ffs.filesystem("s3://bucket?endpoint_override=http://127.0.0.1:10", config=cfg)
+    d = ffs.filesystem("s3://bucket?endpoint_override=http://127.0.0.1:9", config=small_config(part_size=MiB))
     assert a.handler is not b.handler
     assert a == b and not (a != b)  # PyFileSystem equality goes through the handlers' __eq__
     assert a != c and a != d and a != pafs.LocalFileSystem()
     clone = pickle.loads(pickle.dumps(a))
     assert clone == a and clone.handler is not a.handler and clone.type_name == "py::fastckpt+s3"
     assert type(clone) is ffs.FacadeFileSystem
-    wrapped = ffs.filesystem("memory://b", cfg, store_wrapper=permanent({"put"}))
+    wrapped = ffs.filesystem("memory://b", config=cfg, store_wrapper=permanent({"put"}))
     assert pickle.loads(pickle.dumps(wrapped)) == wrapped  # wrappers compare by value
-    assert wrapped != ffs.filesystem("memory://b", cfg, store_wrapper=permanent({"get_range"}))
-    assert wrapped != ffs.filesystem("memory://b", cfg)
+    assert wrapped != ffs.filesystem("memory://b", config=cfg, store_wrapper=permanent({"get_range"}))
+    assert wrapped != ffs.filesystem("memory://b", config=cfg)
     local = ffs.filesystem(str(tmp_path))
     local.create_dir(str(tmp_path / "p"))
     write(local, str(tmp_path / "p" / "f"), b"abc")

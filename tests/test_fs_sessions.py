@@ -45,7 +45,7 @@ def use(fs: pafs.FileSystem, base: str) -> None:
 
 
 def seeded(uri: str) -> tuple[pafs.FileSystem, str]:
-    fs, base = ffs.from_uri(uri, small_config())
+    fs, base = ffs.from_uri(uri, config=small_config())
     with fs.open_output_stream(f"{base}/a") as f:
         f.write(b"x")
     return fs, base

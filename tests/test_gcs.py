@@ -43,7 +43,7 @@ def server_names(server: str, prefix: str) -> list[str]:
 async def gcs(gcs_uri: str):
     """(store, parsed URI) on a fresh prefix."""
     uri = parse_uri(gcs_uri)
-    store = open_store(uri, small_config(), retry=False)  # the backend itself, without the retry layer
+    store = open_store(uri, config=small_config(), retry=False)  # the backend itself, without the retry layer
     assert isinstance(store, GCSStore)
     try:
         yield store, uri

@@ -53,11 +53,13 @@ def test_background_uploads_and_resume_from_the_latest(tmp_path: Path, moto_serv
     to an uninterrupted run: a few 1e-5 apart here, so that is not the comparison)."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
     uri = f"s3://{BUCKET}/hf-{uuid.uuid4().hex[:8]}"
-    uploads = UploadCheckpoints(uri)
+    uploads = UploadCheckpoints(uri, retention=fastckpt.Retention(keep_last=2, grace=0))
     train(tmp_path / "first", 6, [uploads])
     assert uploads.uploaded == [f"{uri}/checkpoint-{s}" for s in (2, 4, 6)]
+    kept = fastckpt.list_checkpoints(uri)  # the retention after each upload, as save_total_limit locally
+    assert [c.name for c in kept] == ["checkpoint-4", "checkpoint-6"] and kept[-1].metrics["epoch"] > 0
     assert sorted(p.name for p in (tmp_path / "first").iterdir()) == ["checkpoint-6"]  # save_total_limit=1
-    for done in uploads.uploaded:
+    for done in uploads.uploaded[1:]:
         assert fastckpt.verify(done).ok
     original = files(tmp_path / "first" / "checkpoint-6")
     local = train(tmp_path / "first", 8, [], resume=str(tmp_path / "first" / "checkpoint-6"))

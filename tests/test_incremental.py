@@ -27,7 +27,7 @@ from .test_conformance_copy import RANGES
 
 
 async def part_size(uri: str) -> int:
-    async with open_store(parse_uri(uri), small_config()) as s:
+    async with open_store(parse_uri(uri), config=small_config()) as s:
         return plan_upload(1, small_config(), s).part_size
 
 
@@ -55,7 +55,7 @@ async def assert_holds(uri: str, files: dict[str, bytes], tmp_path) -> None:
 
 async def delete_below(uri: str) -> None:
     target = parse_uri(uri)
-    async with open_store(target, small_config()) as s:
+    async with open_store(target, config=small_config()) as s:
         await s.delete_many([m.key async for m in s.list(target.key)])
 
 
@@ -91,7 +91,7 @@ async def test_base_changed_behind_our_back(store_uri: str, tmp_path) -> None:
     a, b = below(store_uri, "step-1"), below(store_uri, "step-2")
     await save(a, first, tmp_path)
     target = parse_uri(a)
-    async with open_store(target, small_config()) as s:
+    async with open_store(target, config=small_config()) as s:
         path = s.local_file(target.join("frozen.bin"))
         if path is not None:  # in place: the file keeps its extended attributes, the digest of its old version
             tamper(path)
@@ -116,7 +116,7 @@ async def test_base_changed_after_it_was_read(fast_uri: str) -> None:
         obj = w.base.object("model")
         assert obj is not None and w._transfer is not None
         assert await w._transfer.reuse.version(obj) is not None  # looked at now, as the first copy would
-        async with open_store(parse_uri(a), small_config()) as s:
+        async with open_store(parse_uri(a), config=small_config()) as s:
             await s.put(obj.key, os.urandom(3 * part))  # a new version, metadata and all gone
         await w.put_layout("model", Layout([changed(data, 0)]))
     assert w.result is not None and w.result.copied == 0

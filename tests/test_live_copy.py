@@ -132,7 +132,7 @@ async def test_a_file_gone_before_it_is_opened_is_left_out_of_a_snapshot(tmp_pat
     present, gone = tmp_path / "state.json", tmp_path / ".1-tmp-state.json"
     present.write_bytes(b"{}")
     uri = f"memory://gone-{os.urandom(4).hex()}/x"
-    transfer = Transfer(fastckpt.open_store(uri, small_config()), small_config())
+    transfer = Transfer(fastckpt.open_store(uri, config=small_config()), small_config())
     try:
         results = await transfer.upload_files([(str(gone), "x/tmp"), (str(present), "x/state.json")], snapshot=True)
         assert [r.key for r in results] == ["x/state.json"]
@@ -177,6 +177,6 @@ async def test_checkpoint_saves_stay_strict(tmp_path: Path) -> None:
     uri = f"memory://strict-{os.urandom(4).hex()}/ck"
     with growing(path, 3 * MiB, every=0.001):
         with pytest.raises(IntegrityError, match=f"{path} changed while it was being uploaded"):
-            slow = FaultInjectingStore(fastckpt.open_store(uri, small_config()), latency=0.01)
+            slow = FaultInjectingStore(fastckpt.open_store(uri, config=small_config()), latency=0.01)
             async with fastckpt.CheckpointWriter(uri, config=small_config(), store=slow) as w:
                 await w.put_file(path, "model.bin")

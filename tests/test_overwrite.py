@@ -74,7 +74,7 @@ async def test_a_failed_save_over_a_checkpoint_leaves_it_whole(store, tmp_path: 
             await writer.put_dir(src)
             raise RuntimeError("the job dies before the commit")
     assert await read(target.uri(), tmp_path) == {"a.bin": b"old" * 1000}
-    report = await fastckpt.gc_async(base.raw, older_than_s=0, config=small_config())
+    report = await fastckpt.gc_async(base.raw, older_than=0, config=small_config())
     assert any(k.endswith(f"{writer.root}/a.bin") for k in report.removed)
     assert await keys(s, target) == before
 
@@ -101,7 +101,7 @@ async def test_gc_keeps_what_a_replacing_commit_published(store, tmp_path: Path)
     async with CheckpointWriter(target.uri(), config=small_config(), overwrite=True) as writer:
         await writer.put_dir(src)
         writer.publish("index.json", b'{"at": "v"}')
-    await fastckpt.gc_async(base.uri(), older_than_s=0, config=small_config())
+    await fastckpt.gc_async(base.uri(), older_than=0, config=small_config())
     assert await s.get_range(target.join("index.json"), 0, 100) == b'{"at": "v"}'
     assert await read(target.uri(), tmp_path) == {"a.bin": b"two"}
 

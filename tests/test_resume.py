@@ -116,7 +116,7 @@ def sample(uri: str, tmp_path: Path) -> tuple[Path, bytes]:
 
 
 async def pending(uri: str, key: str) -> list:
-    async with open_store(uri, small_config()) as store:
+    async with open_store(uri, config=small_config()) as store:
         return await store.list_pending_uploads(key)
 
 
@@ -129,7 +129,7 @@ async def test_killed_upload_resumes(store_uri: str, tmp_path: Path, backend: st
     sent = await counted(store_uri, "up", key, src)
     print(f"{backend}: resumed upload sent {sent} of {PARTS} parts ({DONE} were stored before the kill)")
     assert sent == PARTS - DONE
-    async with open_store(store_uri, small_config()) as store:
+    async with open_store(store_uri, config=small_config()) as store:
         assert await store.get_range(key, 0, len(data) + 1) == data
     assert await pending(store_uri, key) == []
 
@@ -143,7 +143,7 @@ async def test_changed_source_restarts_the_upload(store_uri: str, tmp_path: Path
     src.write_bytes(changed)
     os.utime(src, ns=(time.time_ns(), time.time_ns() + 10**9))
     assert await counted(store_uri, "up", key, src) == PARTS
-    async with open_store(store_uri, small_config()) as store:
+    async with open_store(store_uri, config=small_config()) as store:
         assert await store.get_range(key, 0, len(data) + 1) == changed
     assert await pending(store_uri, key) == []  # the killed run's upload was aborted
 
@@ -209,7 +209,7 @@ async def test_a_journal_that_cannot_be_written_aborts_its_upload(store_uri: str
     monkeypatch.setattr(Journal, "start", refuse)
     key = parse_uri(store_uri).join("model.bin")
     src, _ = sample(store_uri, tmp_path)
-    async with open_store(store_uri, small_config()) as store:
+    async with open_store(store_uri, config=small_config()) as store:
         transfer = Transfer(store, small_config())
         try:
             with pytest.raises(OSError, match="No space left"):

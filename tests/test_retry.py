@@ -90,7 +90,7 @@ async def test_non_paged_listing_is_retried_only_before_its_first_object() -> No
 
 
 def test_wrapped_once() -> None:
-    store = open_store("memory://retry-once/x", small_config())
+    store = open_store("memory://retry-once/x", config=small_config())
     assert isinstance(store, RetryingStore)
     assert retrying(store, small_config()) is store
     assert not isinstance(open_store("memory://retry-once/x", retry=False), RetryingStore)

@@ -74,7 +74,7 @@ def one_line(exc: BaseException) -> str:
 async def s3(s3_uri: str):
     """(S3Store, parsed URI) on a fresh prefix."""
     uri = parse_uri(s3_uri)
-    async with open_store(uri, small_config()) as store:
+    async with open_store(uri, config=small_config()) as store:
         yield store, uri
 
 
@@ -106,7 +106,7 @@ def pending_on_server(server: MotoServer, prefix: str) -> list[dict]:
 
 async def test_many_parts_in_flight_on_one_client(s3_uri, tmp_path) -> None:
     uri = parse_uri(s3_uri)
-    store = open_store(uri, small_config())
+    store = open_store(uri, config=small_config())
     client = await store.client.sdk()
     assert client.meta.config.max_pool_connections == small_config().max_in_flight + 16
     want, waiting, gate = 4, [0], asyncio.Event()
@@ -267,7 +267,7 @@ async def test_without_digest_records_the_objects_stand_alone(s3_uri, moto_serve
     monkeypatch.setenv("FASTCKPT_S3_DIGEST_RECORDS", "0")
     uri = parse_uri(s3_uri)
     path, data = make_file(tmp_path, "alone", 2 * PART + 5)
-    async with open_store(uri, small_config()) as store:
+    async with open_store(uri, config=small_config()) as store:
         assert not store.metadata_on_complete
         transfer = Transfer(store, small_config())
         result = await transfer.upload_file(path, uri.join("alone"))
@@ -291,10 +291,10 @@ async def test_gc_removes_records_no_object_uses(s3, moto_server, tmp_path) -> N
     raw.put_object(Bucket=BUCKET, Key=uri.join("d", "replaced"), Body=b"plain")
     records = sorted(uri.join("d", RECORD_DIR, n) for n in ("deleted", "replaced"))
     below = uri.with_key(uri.join("d")).uri()
-    report = await fastckpt.gc_async(below, older_than_s=0, dry_run=True, config=small_config())
+    report = await fastckpt.gc_async(below, older_than=0, dry_run=True, config=small_config())
     assert sorted(report.removed) == records
     assert len(raw.list_objects_v2(Bucket=BUCKET, Prefix=uri.join("d"))["Contents"]) == 5
-    report = await fastckpt.gc_async(below, older_than_s=0, config=small_config())
+    report = await fastckpt.gc_async(below, older_than=0, config=small_config())
     assert sorted(report.removed) == records
     left = [o["Key"] for o in raw.list_objects_v2(Bucket=BUCKET, Prefix=uri.join("d"))["Contents"]]
     assert sorted(left) == sorted([uri.join("d", n) for n in ("kept", f"{RECORD_DIR}/kept", "replaced")])
@@ -346,7 +346,7 @@ async def test_flipped_byte_fails_download(s3, tmp_path, size: int) -> None:
 
 async def test_create_if_absent_race_between_two_writers(s3_uri: str, moto_server) -> None:
     uri = parse_uri(s3_uri)
-    writers = [open_store(uri, small_config()) for _ in range(2)]
+    writers = [open_store(uri, config=small_config()) for _ in range(2)]
     try:
         for round_ in range(10):
             key = uri.join(f"marker-{round_}")
@@ -444,7 +444,7 @@ async def test_a_complete_that_fails_in_a_200_answer_is_retried_or_aborted(moto_
     _FailingCompletes.fail[0] = failures
     path, data = make_file(tmp_path, "f", 2 * PART + 1)
     with proxy_to(moto_server, _FailingCompletes) as endpoint:
-        store = open_store(f"s3://{BUCKET}/{prefix}?endpoint_override={endpoint}", small_config(retries=2))
+        store = open_store(f"s3://{BUCKET}/{prefix}?endpoint_override={endpoint}", config=small_config(retries=2))
         transfer = Transfer(store, small_config(retries=2))
         try:
             if failures == 1:
@@ -463,7 +463,7 @@ async def test_server_ignoring_if_none_match_is_detected(no_conditional_endpoint
                                                          monkeypatch) -> None:
     prefix = f"t-{uuid.uuid4().hex[:12]}"
     raw_client(moto_server).put_object(Bucket=BUCKET, Key=f"{prefix}/marker", Body=b"first")
-    store = open_store(f"s3://{BUCKET}/{prefix}?endpoint_override={no_conditional_endpoint}", small_config())
+    store = open_store(f"s3://{BUCKET}/{prefix}?endpoint_override={no_conditional_endpoint}", config=small_config())
     try:
         with pytest.raises(StoreError, match="ignores If-None-Match") as info:
             await store.put(f"{prefix}/marker", b"second", if_absent=True)
@@ -475,7 +475,7 @@ async def test_server_ignoring_if_none_match_is_detected(no_conditional_endpoint
     finally:
         await store.close()
     monkeypatch.setenv("FASTCKPT_S3_IF_ABSENT", "best-effort")
-    store = open_store(f"s3://{BUCKET}/{prefix}?endpoint_override={no_conditional_endpoint}", small_config())
+    store = open_store(f"s3://{BUCKET}/{prefix}?endpoint_override={no_conditional_endpoint}", config=small_config())
     try:
         with pytest.raises(AlreadyExistsError):
             await store.put(f"{prefix}/marker", b"second", if_absent=True)
@@ -535,7 +535,7 @@ async def test_credential_sources(moto_server, monkeypatch, tmp_path, source: st
             monkeypatch.setenv("AWS_PROFILE", "ckpt")
         else:
             uri += "&profile=ckpt"
-    store = open_store(uri, small_config())
+    store = open_store(uri, config=small_config())
     try:
         client = await store.client.sdk()
         sent = await record_data_path(store, "GET")
@@ -559,12 +559,12 @@ async def test_credential_sources(moto_server, monkeypatch, tmp_path, source: st
 
 
 async def test_region_option_and_missing_profile(moto_server) -> None:
-    store = open_store(moto_server.uri(BUCKET, "p") + "&region=ap-south-1", small_config())
+    store = open_store(moto_server.uri(BUCKET, "p") + "&region=ap-south-1", config=small_config())
     try:
         assert (await store.client.sdk()).meta.region_name == "ap-south-1"
     finally:
         await store.close()
-    store = open_store(moto_server.uri(BUCKET, "p") + "&profile=no-such-profile", small_config())
+    store = open_store(moto_server.uri(BUCKET, "p") + "&profile=no-such-profile", config=small_config())
     try:
         with pytest.raises(StoreError, match="AWS profile 'no-such-profile' not found") as info:
             await store.head("p/x")
@@ -584,7 +584,7 @@ async def test_endpoint_override_reaches_local_server(moto_server, monkeypatch, 
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     else:
         monkeypatch.setenv(how, moto_server.endpoint)
-    store = open_store(uri, small_config(), retry=False)
+    store = open_store(uri, config=small_config(), retry=False)
     try:
         assert isinstance(store, S3Store)
         assert store.options.endpoint_url == moto_server.endpoint and store.client.addressing_style == "path"
@@ -685,7 +685,7 @@ async def test_client_settings_and_knobs(s3_uri: str, monkeypatch, tmp_path, kno
         monkeypatch.setenv("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_supported")
         monkeypatch.setenv("FASTCKPT_S3_PAYLOAD_SIGNING", "auto")
     uri = parse_uri(s3_uri)
-    store = open_store(uri, small_config())
+    store = open_store(uri, config=small_config())
     try:
         client = await store.client.sdk()
         config = client.meta.config
@@ -764,7 +764,7 @@ async def test_a_bucket_in_another_region_is_followed_there(moto_server, tmp_pat
     is signed for its own region, and works."""
     bucket = f"eu-{uuid.uuid4().hex[:8]}"
     raw_client(moto_server).create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
-    store = open_store(moto_server.uri(bucket, "p"), small_config())
+    store = open_store(moto_server.uri(bucket, "p"), config=small_config())
     try:
         client, (_, _, signer) = await store.client.sdk(), await store.client._data_path()
         assert client.meta.region_name == "us-east-1" and signer.region == "eu-west-1"
@@ -784,7 +784,8 @@ async def test_a_store_takes_what_another_learned_of_its_bucket(moto_server) -> 
     bucket = f"eu-{uuid.uuid4().hex[:8]}"
     raw_client(moto_server).create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
     raw_client(moto_server).put_object(Bucket=bucket, Key="p/o", Body=b"payload")
-    first, second, other = (open_store(moto_server.uri(b, "p"), small_config()) for b in (bucket, bucket, BUCKET))
+    first, second, other = (open_store(moto_server.uri(b, "p"), config=small_config())
+                            for b in (bucket, bucket, BUCKET))
     try:
         assert first.learned() == {}  # nothing asked yet
         assert await first.get_range("p/o", 0, 7) == b"payload"
@@ -879,7 +880,7 @@ async def test_list_pagination_and_batched_deletes(s3) -> None:
 
 async def test_missing_bucket_is_named(moto_server, tmp_path) -> None:
     bucket = f"no-such-{uuid.uuid4().hex[:8]}"
-    store = open_store(moto_server.uri(bucket, "p"), small_config())
+    store = open_store(moto_server.uri(bucket, "p"), config=small_config())
     expected = f"bucket {bucket!r} does not exist at endpoint {moto_server.endpoint}"
     try:
         for op in (lambda: store.head("p/x"), lambda: store.get_range("p/x", 0, 5), lambda: store.put("p/x", b"1"),
@@ -947,7 +948,7 @@ async def test_bad_credentials_and_access_denied(auth_server, monkeypatch, caplo
     text = one_line(info.value)
     assert "attempts" not in text  # failed at once, not after a stack of retries
     assert secret not in "".join(traceback.format_exception(info.value)) and secret not in caplog.text
-    store = open_store(server.uri(BUCKET, "denied"), small_config())
+    store = open_store(server.uri(BUCKET, "denied"), config=small_config())
     try:
         if who != "read_only":
             with pytest.raises(AccessDeniedError) as info:
@@ -961,7 +962,7 @@ async def test_good_credentials_on_auth_server(auth_server, monkeypatch) -> None
     server, keys = auth_server
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", keys["writer"][0])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", keys["writer"][1])
-    store = open_store(server.uri(BUCKET, "ok"), small_config())
+    store = open_store(server.uri(BUCKET, "ok"), config=small_config())
     try:
         await store.put("ok/x", b"fine", if_absent=True)
         assert await store.get_range("ok/x", 0, 10) == b"fine"
@@ -978,7 +979,7 @@ async def test_data_path_requests_pass_signature_checks(auth_server, monkeypatch
     server, keys = auth_server
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", keys["writer"][0])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", keys["writer"][1])
-    store = open_store(server.uri(BUCKET, "signed"), small_config())
+    store = open_store(server.uri(BUCKET, "signed"), config=small_config())
     try:
         await store.client.sdk()
         puts = await record_data_path(store, "PUT")
@@ -998,7 +999,7 @@ async def test_data_path_requests_pass_signature_checks(auth_server, monkeypatch
     finally:
         await store.close()
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrongSecretKey0123456789abcdefghijklmnopq")
-    store = open_store(server.uri(BUCKET, "signed"), small_config())
+    store = open_store(server.uri(BUCKET, "signed"), config=small_config())
     try:
         with pytest.raises(AccessDeniedError, match="SignatureDoesNotMatch"):
             await store.put(f"signed/{name}/denied", b"x")
@@ -1045,7 +1046,7 @@ async def test_a_part_spanning_several_buffers_is_sent_as_they_lie(moto_server, 
     monkeypatch.setattr(S3Upload, "put_part", spy)
     uri = fastckpt.parse_uri(moto_server.uri(BUCKET, f"pieces-{uuid.uuid4().hex[:8]}/x"))
     views = [os.urandom(n) for n in (100_000, PART, 3 * PART // 5 + 7, 6 * PART // 5)]
-    store = open_store(uri, small_config())
+    store = open_store(uri, config=small_config())
     transfer = Transfer(store, small_config(part_size=PART, multipart_threshold=PART))
     try:
         digest, _ = await upload_layout(transfer, Layout(views), uri.key)

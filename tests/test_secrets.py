@@ -48,7 +48,7 @@ async def exercise(uri: str, tmp_path: Path, seen: list[str]) -> None:
     seen += [repr(writer.result), str(await fastckpt.latest_async(below("ckpt"), config=small_config()))]
     seen += [repr(i) for i in await fastckpt.list_checkpoints_async(below("ckpt"), config=small_config())]
     seen += [repr(r) for r in results] + progress
-    async with open_store(uri, small_config()) as store:
+    async with open_store(uri, config=small_config()) as store:
         seen += [repr(store), store.uri("x"), repr(store.location)]
         for op in (store.head(below("missing")), store.get_range("nope/x", 0, 10)):
             try:

@@ -55,7 +55,7 @@ async def test_grouped_commit_on_every_backend(store_uri: str, tmp_path) -> None
     keys = await keys_below(uri)
     assert [k for k in keys if "/group-" in k] == [f".fastckpt/a1/group-{f:05d}.json" for f in range(0, WORLD, GROUP)]
     parsed = parse_uri(uri)
-    async with open_store(parsed, small_config()) as store:
+    async with open_store(parsed, config=small_config()) as store:
         marker = json.loads(await store.get_range(marker_key(parsed.key), 0, 1 << 20))
     assert marker["group_size"] == GROUP and marker["world_size"] == WORLD
     out = tmp_path / "out"
@@ -69,7 +69,7 @@ async def test_requests_stay_flat_and_readers_read_one_object_per_group(fast_uri
     """64 ranks in groups of 16: the root reads a group object per group, not a manifest per rank; the ranks
     together make a few requests each; a reader of the checkpoint reads 4 group objects, not 64 manifests."""
     uri, world = below(fast_uri, "step-1"), 64
-    inner = open_store(uri, small_config())
+    inner = open_store(uri, config=small_config())
     counters = [Counting(inner) for _ in range(world)]
     try:
         results = await write_ranks(uri, tmp_path, contributors=[], barrier=StoreBarrier(

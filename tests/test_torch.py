@@ -69,7 +69,7 @@ def test_round_trip_every_backend(store_uri: str) -> None:
     assert same(state, ft.load(below(store_uri, "step-1"), config=cfg))
     handle = ft.async_save(state, below(store_uri, "step-2"), config=cfg, staging=ft.Staging())
     assert handle.wait().files == 1 and handle.done()
-    window = max(256 << 10, open_store(store_uri, cfg).min_part_size)  # two windows
+    window = max(256 << 10, open_store(store_uri, config=cfg).min_part_size)  # two windows
     assert same(state, ft.load(below(store_uri, "step-2"), config=cfg, staging=ft.Staging(window)))
     assert fastckpt.latest(store_uri, config=cfg).partition("?")[0].endswith("step-2")
     assert fastckpt.verify(below(store_uri, "step-1"), config=cfg).ok
@@ -186,7 +186,7 @@ def test_async_save_snapshot_survives_training_changes(tmp_path: Path) -> None:
 
 def test_second_async_save_waits_or_fails_clearly(tmp_path: Path) -> None:
     base = f"file://{tmp_path}/store"
-    slow = FaultInjectingStore(open_store(base, small_config()), latency=0.05, ops={"put_part", "put"})
+    slow = FaultInjectingStore(open_store(base, config=small_config()), latency=0.05, ops={"put_part", "put"})
     staging = ft.Staging()
     first_state = {"w": torch.full((256, 1024), 1.0)}
     first = ft.async_save(first_state, f"{base}/a", staging=staging, store=slow, config=small_config())
@@ -200,7 +200,7 @@ def test_second_async_save_waits_or_fails_clearly(tmp_path: Path) -> None:
 
 def test_failed_async_save_raises_on_wait_and_commits_nothing(tmp_path: Path) -> None:
     base = f"file://{tmp_path}/store"
-    broken = FaultInjectingStore(open_store(base, small_config()), fail_after=2, ops={"put_part"},
+    broken = FaultInjectingStore(open_store(base, config=small_config()), fail_after=2, ops={"put_part"},
                                  permanent=StoreError("injected: disk quota exceeded"))
     handle = ft.async_save({"w": torch.randn(1024, 1024)}, f"{base}/c", staging=ft.Staging(), store=broken,
                            config=small_config())
@@ -248,7 +248,7 @@ def test_ranks_commit_together_and_load_their_own_state(tmp_path: Path) -> None:
 def test_a_failed_rank_commits_nothing(tmp_path: Path) -> None:
     base = f"file://{tmp_path}/store"
     barrier, errors = InProcessBarrier(timeout=60), {}
-    broken = FaultInjectingStore(open_store(base, small_config()), fail_after=0, ops={"put", "put_part"},
+    broken = FaultInjectingStore(open_store(base, config=small_config()), fail_after=0, ops={"put", "put_part"},
                                  permanent=StoreError("injected: rank 1 lost its network"))
 
     def rank(r: int) -> None:
@@ -265,7 +265,7 @@ def test_a_failed_rank_commits_nothing(tmp_path: Path) -> None:
         t.join()
     assert "rank 1 lost its network" in str(errors[1]) and "rank 1 failed" in str(errors[0])
     assert fastckpt.latest(base) is None
-    report = fastckpt.gc(base, older_than_s=0)
+    report = fastckpt.gc(base, older_than=0)
     assert any(k.endswith(ft.rank_file(0)) for k in report.removed)
     assert not os.path.exists(tmp_path / "store" / "c" / ft.rank_file(0))
 

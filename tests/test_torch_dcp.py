@@ -88,7 +88,7 @@ def test_rank_killed_mid_save_leaves_no_checkpoint(tmp_path: Path) -> None:
     assert fastckpt.latest(base) is None
     with pytest.raises(CheckpointError, match="not committed"):
         fastckpt.open_checkpoint(below(base, "c"))
-    report = fastckpt.gc(base, older_than_s=0)
+    report = fastckpt.gc(base, older_than=0)
     assert report.aborted_uploads and report.removed
     ok(job("resave", base, 2))  # a new run saves the same checkpoint and loads it back
     assert fastckpt.latest(base).endswith("/c")

@@ -34,7 +34,7 @@ async def forge(uri: str, names: list[str], raw_manifest: bytes | None = None) -
     whose manifest is ``raw_manifest``, with a marker that matches it, as an attacker with write access could."""
     base = parse_uri(uri)
     digest = FileDigest(len(DATA), 1 << 20, combine(hash_chunks(memoryview(DATA), 1 << 20)))
-    async with open_store(base, small_config()) as store:
+    async with open_store(base, config=small_config()) as store:
         for name in names:
             await store.put(base.join(name.replace("\\", "/").lstrip("/")), DATA)
         manifest = raw_manifest or RankManifest.encode(RankManifest("a1", 0, 1, tuple(

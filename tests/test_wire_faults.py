@@ -142,7 +142,7 @@ async def test_persistent_fault_fails_in_bounded_time(wire, tmp_path: Path, dire
     print(f"{direction} under a persistent reset failed in {took:.1f} s (bound {bound:.0f} s): {info.value}")
     assert took < bound and "\n" not in str(info.value)
     if direction == "upload":
-        async with open_store(direct, small_config()) as store:
+        async with open_store(direct, config=small_config()) as store:
             assert [m.key async for m in store.list(parse_uri(direct).join("other.bin"))] == []
     else:
         assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []

@@ -29,6 +29,12 @@ def gloo_group(group: Any) -> Any:
     return dist.new_group(ranks=ranks, backend="gloo")
 
 
+def group_place(group: Any, rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size, where not given."""
+    return (dist.get_rank(group) if rank is None else rank,
+            dist.get_world_size(group) if world_size is None else world_size)
+
+
 class TorchBarrier(Barrier):
     """Ranks meet through ``torch.distributed``; rank r of the writer must be rank r of ``group``.
 

@@ -1,11 +1,12 @@
 """The checkpoints at a storage path, as listed: each one's state from its marker or its newest attempt's manifests;
-``latest``. A checkpoint is a prefix holding ``.fastckpt/``; functions taking a storage path look at the path itself
-when it is a checkpoint, else at its direct sub-prefixes."""
+the newest committed. A checkpoint is a prefix holding ``.fastckpt/``; functions taking a storage path look at the
+path itself when it is a checkpoint, else at its direct sub-prefixes."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..config import TransferConfig
@@ -20,6 +21,7 @@ from .manifest import CommitMarker, RankManifest, marker_key, meta_prefix, parse
 T = TypeVar("T")
 COMMITTED, UNCOMMITTED, CORRUPT = "committed", "uncommitted", "corrupt"
 SCAN_CONCURRENCY = 16
+_STEP = re.compile(r"(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,14 @@ class CheckpointInfo:
     files: int
     bytes: int
     committed_at: float | None
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The metrics recorded at save time (committed checkpoints)."""
+
+    @property
+    def step(self) -> int | None:
+        """The number that ends the checkpoint's name (``step-0100``: 100), or None."""
+        match = _STEP.search(self.name)
+        return int(match[1]) if match else None
 
 
 def uri_of(base: StorageURI, key: str) -> str:
@@ -61,7 +71,7 @@ def target_of(uri: str | StorageURI) -> StorageURI:
 async def with_store(uri: str | StorageURI, config: TransferConfig | None,
                      fn: Callable[[Store, StorageURI, TransferConfig], Awaitable[T]]) -> T:
     base, cfg = target_of(uri), config or TransferConfig.from_env()
-    async with open_store(base, cfg) as store:
+    async with open_store(base, config=cfg) as store:
         return await fn(store, base, cfg)
 
 
@@ -102,7 +112,7 @@ async def info_of(store: Store, base: StorageURI, key: str, metas: list[ObjectMe
         have = attempts.get(marker.attempt, {})
         state = COMMITTED if all(r in have for r in range(marker.world_size)) else CORRUPT
         return CheckpointInfo(name, uri, state, marker.attempt, marker.world_size, marker.files, marker.bytes,
-                              marker.committed_at)
+                              marker.committed_at, dict(marker.metrics))
     if not attempts:
         return CheckpointInfo(name, uri, UNCOMMITTED, None, None, 0, 0, None)
     attempt = max(attempts, key=lambda a: max(m.mtime for m in attempts[a].values()))
@@ -143,7 +153,7 @@ async def list_checkpoints_async(uri: str | StorageURI, *, config: TransferConfi
     return await with_store(uri, config, run)
 
 
-async def latest_async(uri: str | StorageURI, *, config: TransferConfig | None = None) -> str | None:
+async def newest_committed(uri: str | StorageURI, *, config: TransferConfig | None = None) -> str | None:
     """URI of the newest committed checkpoint at ``uri`` (by commit time, then name), or None."""
     committed = [i for i in await list_checkpoints_async(uri, config=config) if i.state == COMMITTED]
     return max(committed, key=lambda i: (i.committed_at or 0.0, i.name)).uri if committed else None

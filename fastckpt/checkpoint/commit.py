@@ -80,6 +80,8 @@ class Commit(abc.ABC):
     """Folder of the files relative to the checkpoint (empty: the checkpoint itself)."""
     _publish: dict[str, bytes]
     """Written at the checkpoint itself once committed, before the replaced checkpoint's files go (``publish``)."""
+    metrics: tuple[tuple[str, float], ...]
+    """The root's metrics, recorded in the marker (``CommitMarker.metrics``)."""
 
     def _key(self, name: str) -> str:
         """Store key of this checkpoint's file ``name``."""
@@ -242,7 +244,7 @@ class Commit(abc.ABC):
                                              self.barrier.group_size_for(self.world_size), self.root)
             if not self.per_node:
                 await self._check_files(manifests)
-            marker = dataclasses.replace(marker, published=tuple(sorted(self._publish)))
+            marker = dataclasses.replace(marker, published=tuple(sorted(self._publish)), metrics=self.metrics)
             previous = await self._replaced() if self.overwrite else None
             await self._create_marker(marker.encode())
             if self.overwrite:

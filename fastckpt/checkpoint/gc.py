@@ -6,12 +6,14 @@ import time
 from dataclasses import dataclass, field
 
 from ..config import TransferConfig
+from ..deprecation import keywords_only
 from ..errors import CheckpointError
 from ..stores.base import ObjectMeta, PendingUpload, Store
 from ..uri import StorageURI, join_key
-from .catalog import candidates, checkpoint_name, committed_keys, list_objects, with_store
+from .catalog import candidates, checkpoint_name, list_objects, with_store
 from .manifest import marker_key, meta_prefix
 from .reader import load
+from .retention import Retention, not_kept, remove_committed
 
 
 @dataclass
@@ -28,9 +30,11 @@ class GcReport:
     """'name: reason' of checkpoints left alone (recent activity, corrupt)."""
 
 
-async def gc_async(uri: str | StorageURI, older_than_s: float = 24 * 3600.0, dry_run: bool = False, *,
-                   config: TransferConfig | None = None, keep_last: int | None = None) -> GcReport:
-    """Remove what no reader will ever use, once it is older than ``older_than_s`` seconds.
+@keywords_only(1, "older_than", "dry_run", renamed={"older_than_s": "older_than"})
+async def gc_async(uri: str | StorageURI, *, older_than: float = 24 * 3600.0, dry_run: bool = False,
+                   config: TransferConfig | None = None, keep_last: int | None = None,
+                   retention: Retention | None = None) -> GcReport:
+    """Remove what no reader will ever use, once it is older than ``older_than`` seconds.
 
     - an uncommitted checkpoint whose newest object and upload are older: all of it, and its multipart
       uploads are aborted;
@@ -42,13 +46,17 @@ async def gc_async(uri: str | StorageURI, older_than_s: float = 24 * 3600.0, dry
     Corrupt checkpoints are left alone. With ``dry_run`` nothing is removed. Like the rest of gc, meant for
     what nobody is writing to any more.
 
-    ``keep_last`` (at least 1): then the committed checkpoints at ``uri`` (itself or its direct sub-prefixes) but
-    the newest ``keep_last`` by commit time are removed as well, whatever their age: each one's commit marker first
-    (no reader takes it from then on; a removal cut short leaves an uncommitted checkpoint that gc takes later),
-    then its other objects.
+    ``retention`` (a ``Retention``): then the committed checkpoints at ``uri`` (itself or its direct sub-prefixes)
+    that it does not keep are removed as well, whatever their age: each one's commit marker first (no reader takes
+    it from then on; a removal cut short leaves an uncommitted checkpoint that gc takes later), then its other
+    objects. ``keep_last=K`` (at least 1) is ``retention=Retention(keep_last=K, grace=0)``.
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: gc never removes the newest committed checkpoint (use 1 or more)")
+    if keep_last is not None and retention is not None:
+        raise ValueError("gc takes keep_last= or retention=, not both (keep_last=K is Retention(keep_last=K))")
+    policy = Retention(keep_last=keep_last, grace=0.0) if keep_last is not None else retention
+
     async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> GcReport:
         report = GcReport(dry_run)
         now = time.time()
@@ -59,29 +67,26 @@ async def gc_async(uri: str | StorageURI, older_than_s: float = 24 * 3600.0, dry
             root = base.key if base.key in found else _child_of(base.key, up.key) or up.key
             pending.setdefault(root, []).append(up)
         for key in sorted(set(found) | set(pending)):
-            await _gc_one(store, base, key, key in found, pending.get(key, []), now - older_than_s, report)
-        orphans = await store.list_orphans(base.key, now - older_than_s)
+            await _gc_one(store, base, key, key in found, pending.get(key, []), now - older_than, report)
+        orphans = await store.list_orphans(base.key, now - older_than)
         report.removed.extend(orphans)
         if orphans and not dry_run:
             await store.delete_many(orphans)
-        if keep_last is not None:
-            await _keep_last(store, base, keep_last, report)
+        if policy is not None:
+            await _retain(store, base, policy, report)
         return report
 
     return await with_store(uri, config, run)
 
 
-async def _keep_last(store: Store, base: StorageURI, keep: int, report: GcReport) -> None:
-    """Remove the committed checkpoints at ``base`` but the newest ``keep``: marker first, then the rest."""
-    for key in (await committed_keys(store, base, base.key))[:-keep]:
+async def _retain(store: Store, base: StorageURI, policy: Retention, report: GcReport) -> None:
+    """Remove the committed checkpoints at ``base`` that ``policy`` does not keep: marker first, then the rest."""
+    for key in await not_kept(store, base, policy):
         objects = await list_objects(store, key)
-        marker = marker_key(key)
         report.removed.extend(m.key for m in objects)
         report.bytes += sum(m.size for m in objects)
-        if report.dry_run:
-            continue
-        await store.delete(marker)
-        await store.delete_many([m.key for m in objects if m.key != marker])
+        if not report.dry_run:
+            await remove_committed(store, key)
 
 
 def _child_of(base: str, key: str) -> str | None:

@@ -15,10 +15,13 @@ reader trusts exactly those manifests and nothing a dead attempt left behind. Wh
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import re
 import time
 import uuid
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import xxhash
@@ -193,6 +196,9 @@ class CommitMarker:
     """Folder of the files, relative to the checkpoint (a save over a committed one: ``generation_root``)."""
     published: tuple[str, ...] = ()
     """Objects written at the checkpoint itself, outside ``root``, for other tools (``CheckpointWriter.publish``)."""
+    metrics: tuple[tuple[str, float], ...] = ()
+    """(name, value) of the metrics recorded at save time (``CheckpointWriter(metrics=)``), by name: what a
+    ``Retention`` keeps the best checkpoints by."""
 
     def encode(self) -> bytes:
         """Canonical JSON bytes."""
@@ -209,6 +215,8 @@ class CommitMarker:
             doc["root"] = self.root
         if self.published:
             doc["published"] = list(self.published)
+        if self.metrics:
+            doc["metrics"] = dict(self.metrics)
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -221,7 +229,8 @@ class CommitMarker:
                          int(doc["files"]), int(doc["bytes"]), float(doc["committed_at"]),
                          int(doc.get("group_size", 0)), int(doc.get("copied", 0)),
                          check_root(str(doc.get("root", "")), attempt, what),
-                         tuple(check_name(str(n)) for n in doc.get("published", ())))
+                         tuple(check_name(str(n)) for n in doc.get("published", ())),
+                         check_metrics(dict(doc.get("metrics", {}))))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{what}: malformed commit marker ({exc!r})") from None
         if len(marker.manifests) != marker.world_size:
@@ -273,6 +282,19 @@ def file_entry(doc: dict) -> FileEntry:
                    or combine([bytes.fromhex(c) for c in chunks]) != digest.digest):
         raise ValueError(f"chunk digests of {doc['name']!r} do not make up its digest")
     return FileEntry(check_name(doc["name"]), digest, chunks)
+
+
+def check_metrics(metrics: Mapping[str, object]) -> tuple[tuple[str, float], ...]:
+    """``metrics`` as a marker records them, sorted by name; ValueError naming a name that is not a string or a value
+    that is not a finite number."""
+    out = []
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"metric name {name!r}: a non-empty string is needed")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"metric {name!r} = {value!r}: a finite number is needed")
+        out.append((name, float(value)))
+    return tuple(sorted(out))
 
 
 def _load_json(data: bytes, what: str, kind: str) -> dict:

@@ -147,7 +147,7 @@ async def load(store: Store, base: StorageURI, allow_uncommitted: bool, ranks: I
             chunks.update({f.name: f.chunks for f in m.files if f.chunks})
     state = CORRUPT if problems else COMMITTED
     info = CheckpointInfo(name, uri, state, marker.attempt, marker.world_size, marker.files, marker.bytes,
-                          marker.committed_at)
+                          marker.committed_at, dict(marker.metrics))
     return Checkpoint(info, key, files, problems, chunks, marker.root, marker.published)
 
 

@@ -9,13 +9,15 @@ from typing import Any
 
 from .._loop import BackgroundLoop, run_sync
 from ..config import TransferConfig
+from ..deprecation import keywords_only
 from ..engine.progress import ProgressCallback
 from ..engine.session import FileResult
 from ..uri import StorageURI
-from .catalog import CheckpointInfo, latest_async, list_checkpoints_async
+from .catalog import CheckpointInfo, list_checkpoints_async
 from .commit import CommitResult
 from .gc import GcReport, gc_async
 from .reader import Checkpoint, VerifyReport, download_checkpoint_async, open_checkpoint_async, verify_async
+from .retention import Retention, apply_retention_async
 from .writer import CheckpointWriter
 
 
@@ -38,21 +40,25 @@ def list_checkpoints(uri: str | StorageURI, *, config: TransferConfig | None = N
     return run_sync(list_checkpoints_async(uri, config=config))
 
 
-def latest(uri: str | StorageURI, *, config: TransferConfig | None = None) -> str | None:
-    """Sync twin of ``latest_async``."""
-    return run_sync(latest_async(uri, config=config))
-
-
 def verify(uri: str | StorageURI, *, allow_uncommitted: bool = False, config: TransferConfig | None = None,
            progress: ProgressCallback | None = None) -> VerifyReport:
     """Sync twin of ``verify_async``."""
     return run_sync(verify_async(uri, allow_uncommitted=allow_uncommitted, config=config, progress=progress))
 
 
-def gc(uri: str | StorageURI, older_than_s: float = 24 * 3600.0, dry_run: bool = False, *,
-       config: TransferConfig | None = None, keep_last: int | None = None) -> GcReport:
+@keywords_only(1, "older_than", "dry_run", renamed={"older_than_s": "older_than"})
+def gc(uri: str | StorageURI, *, older_than: float = 24 * 3600.0, dry_run: bool = False,
+       config: TransferConfig | None = None, keep_last: int | None = None,
+       retention: Retention | None = None) -> GcReport:
     """Sync twin of ``gc_async``."""
-    return run_sync(gc_async(uri, older_than_s, dry_run, config=config, keep_last=keep_last))
+    return run_sync(gc_async(uri, older_than=older_than, dry_run=dry_run, config=config, keep_last=keep_last,
+                             retention=retention))
+
+
+def apply_retention(uri: str | StorageURI, policy: Retention, *, dry_run: bool = False,
+                    config: TransferConfig | None = None) -> list[str]:
+    """Sync twin of ``apply_retention_async``."""
+    return run_sync(apply_retention_async(uri, policy, dry_run=dry_run, config=config))
 
 
 class SyncCheckpointWriter:

@@ -22,7 +22,8 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
 
 from ..config import TransferConfig
 from ..engine.layout import Layout, hash_layout, upload_layout
@@ -46,6 +47,7 @@ from .commit import Commit, CommitResult
 from .manifest import (
     FileEntry,
     check_attempt,
+    check_metrics,
     check_name,
     generation_root,
     meta_prefix,
@@ -65,11 +67,12 @@ def _dir_files(src: str) -> list[tuple[str, str]]:
 class CheckpointWriter(Commit):
     """Writes one rank's share of a checkpoint; use ``async with`` on every rank of the job.
 
-    ``uri`` is the checkpoint itself (``s3://bucket/run/step-100``). ``barrier`` defaults to a
-    ``StoreBarrier``. ``attempt`` names this run of the job and must be the same on every rank and
-    new on every restart; by default it comes from the environment (``attempt_from_env``), else rank
-    0 draws one and sends it through the barrier (not possible with the store barrier, which needs
-    it given). ``store`` reuses an open store (not closed here).
+    ``uri`` is the checkpoint itself (``s3://bucket/run/step-100``). ``group`` (a ``torch.distributed`` process group
+    whose every rank writes its share) gives ``rank``, ``world_size`` and the barrier (a ``TorchBarrier``); without
+    it they default to rank 0 of 1, and ``barrier`` to a ``StoreBarrier``. ``attempt`` names this run of the job and
+    must be the same on every rank and new on every restart; by default it comes from the environment
+    (``attempt_from_env``), else rank 0 draws one and sends it through the barrier (not possible with the store
+    barrier, which needs it given). ``store`` reuses an open store (not closed here).
 
     ``base`` makes the checkpoint incremental: a committed checkpoint in the same bucket (a URI, ``"latest"``: the
     newest committed one beside ``uri``, or a ``BaseCheckpoint`` read already); files and parts of files that hold
@@ -83,14 +86,18 @@ class CheckpointWriter(Commit):
     their own beside the old ones (``generation_root``), the commit replaces the marker in one write (a reader sees
     the old checkpoint or the new one, never a mix; a writer that dies before leaves the old one whole), and the old
     files are deleted after it. Without it, a committed checkpoint is refused (CheckpointError).
+
+    ``metrics`` (name: number, such as ``{"eval_loss": 0.31}``): recorded in the commit marker by the root rank, for
+    ``list_checkpoints`` and for a ``Retention`` that keeps the best checkpoints by one of them.
     """
 
     def __init__(
         self,
         uri: str | StorageURI,
         *,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
+        group: Any = None,
         barrier: Barrier | None = None,
         attempt: str | None = None,
         config: TransferConfig | None = None,
@@ -99,10 +106,20 @@ class CheckpointWriter(Commit):
         base: str | StorageURI | BaseCheckpoint | None = None,
         per_node: bool = False,
         overwrite: bool = False,
+        metrics: Mapping[str, float] | None = None,
     ) -> None:
         self.uri = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
         if self.uri.backend == "delegate":
             raise ValueError(f"{self.uri.raw!r}: scheme {self.uri.scheme!r} is not a fastckpt backend")
+        if group is not None:
+            if barrier is not None:
+                raise ValueError("CheckpointWriter takes group= (a torch.distributed process group) or barrier= "
+                                 "(another kind of barrier), not both")
+            from .barrier_torch import TorchBarrier, group_place
+
+            rank, world_size = group_place(group, rank, world_size)
+            barrier = TorchBarrier(group)
+        rank, world_size = (0 if rank is None else rank), (1 if world_size is None else world_size)
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} / world size {world_size}: need 0 <= rank < world_size")
         self.rank, self.world_size = rank, world_size
@@ -114,6 +131,7 @@ class CheckpointWriter(Commit):
         self.root = ""
         """Folder of this checkpoint's files relative to it (``overwrite``: ``generation_root``), once agreed."""
         self._publish: dict[str, bytes] = {}
+        self.metrics = check_metrics(metrics or {})
         if per_node and world_size > 1 and isinstance(self.barrier, StoreBarrier):
             raise ValueError(f"{type(self.barrier).__name__} meets in the store, which is not shared when every node "
                              "writes its own (per_node): use a TorchBarrier, RayBarrier or InProcessBarrier")
@@ -135,7 +153,8 @@ class CheckpointWriter(Commit):
     async def __aenter__(self) -> CheckpointWriter:
         if self._transfer is not None or self._closed:
             raise CheckpointError("a CheckpointWriter writes one checkpoint once; create a new one")
-        self._store = open_store(self.uri, self.config) if self._store is None else retrying(self._store, self.config)
+        self._store = (open_store(self.uri, config=self.config) if self._store is None
+                       else retrying(self._store, self.config))
         try:
             self.barrier.check_world(self._rv)
             if not self.overwrite:

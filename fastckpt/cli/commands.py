@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import re
 import statistics
 import sys
 import time
@@ -13,7 +12,7 @@ from collections.abc import Callable
 from .. import __version__
 from .._loop import run_sync
 from ..api import download, plan_download_async, plan_upload_async, source_of, upload
-from ..checkpoint import gc, list_checkpoints, verify
+from ..checkpoint import Retention, gc, list_checkpoints, verify
 from ..checkpoint.catalog import target_of
 from ..config import TransferConfig, parse_size
 from ..engine.progress import ProgressCallback
@@ -113,22 +112,16 @@ def cmd_cat(args: argparse.Namespace) -> Result:
     return {"bytes": size}
 
 
-_STEP = re.compile(r"(\d+)$")
 
 
 def cmd_ls(args: argparse.Namespace) -> Result:
     if args.checkpoints:
         found = list_checkpoints(args.uri, config=config_of(args))
-        return {"checkpoints": [{**c.__dict__, "step": _step(c.name)} for c in found]}
+        return {"checkpoints": [{**c.__dict__, "step": c.step} for c in found]}
     objects, folders = list_objects(args.uri, recursive=args.recursive, filters=args.filters, config=config_of(args))
     base = source_of(args.uri, ())[0]
     return {"objects": [{"key": m.key, "uri": at(base, m.key), "size": m.size, "mtime": m.mtime} for m in objects],
             "folders": [at(base, f) + "/" for f in folders]}
-
-
-def _step(name: str) -> int | None:
-    match = _STEP.search(name)
-    return int(match[1]) if match else None
 
 
 def cmd_du(args: argparse.Namespace) -> Result:
@@ -166,7 +159,12 @@ def cmd_verify(args: argparse.Namespace) -> Result:
 
 
 def cmd_gc(args: argparse.Namespace) -> Result:
-    report = gc(args.uri, args.older_than, args.dry_run, config=config_of(args), keep_last=args.keep_last)
+    rules = (args.keep_last, args.keep_every_steps, args.keep_every, args.best)
+    retention = None if all(r is None for r in rules) else Retention(
+        keep_last=args.keep_last, keep_every_steps=args.keep_every_steps, keep_every=args.keep_every, best=args.best,
+        metric=args.metric, mode=args.mode, grace=args.grace)
+    report = gc(args.uri, older_than=args.older_than, dry_run=args.dry_run, config=config_of(args),
+                retention=retention)
     return report.__dict__
 
 
@@ -180,7 +178,7 @@ def cmd_agent(args: argparse.Namespace) -> Result:
         from ..monitoring import serve
 
         serve(args.metrics_port, args.metrics_addr, tier=tier)
-    served = False if args.status else run_agent(tier, args.idle, config_of(args), args.lock_fd)
+    served = False if args.status else run_agent(tier, idle=args.idle, config=config_of(args), lock_fd=args.lock_fd)
     return {"tier": tier.root, "served": served, "agent_pid": agent_pid(tier), "pending": len(tier.pending()),
             "oldest_queued_s": oldest_queued_s(tier), "handed": len(handoffs(tier)), "failed": tier.failures(),
             "copies": [str(c["durable"]) for c in tier.copies()]}

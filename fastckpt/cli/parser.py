@@ -128,6 +128,18 @@ def build_parser(bench: bool = False) -> argparse.ArgumentParser:
     gcp.add_argument("-n", "--dry-run", action="store_true", help="only list what would be removed")
     gcp.add_argument("--keep-last", type=int, default=None, metavar="K",
                      help="also remove the committed checkpoints below URI but the newest K (marker first)")
+    gcp.add_argument("--keep-every-steps", type=int, default=None, metavar="N",
+                     help="with the other --keep rules: also keep those whose step (the number ending the name) is a "
+                          "multiple of N")
+    gcp.add_argument("--keep-every", type=float, default=None, metavar="SECONDS",
+                     help="also keep the first checkpoint committed in each window of SECONDS")
+    gcp.add_argument("--best", type=int, default=None, metavar="K",
+                     help="also keep the best K by --metric (recorded at save time: save(..., metrics=))")
+    gcp.add_argument("--metric", default=None, metavar="NAME", help="the metric --best ranks by, e.g. eval_loss")
+    gcp.add_argument("--mode", choices=("min", "max"), default="min", help="min: lower is better (default), max")
+    gcp.add_argument("--grace", type=float, default=0.0, metavar="SECONDS",
+                     help="keep a checkpoint that was the newest less than SECONDS ago (a reader may hold it; "
+                          "default 0)")
     agent = verb("agent", "drain a checkpoint tier to the durable store (the node agent; runs until idle)")
     agent.add_argument("tier", help="the tier directory, e.g. /dev/shm/fastckpt")
     agent.add_argument("--keep", type=int, default=KEEP, help=f"committed copies kept once drained ({KEEP})")

@@ -26,7 +26,7 @@ async def store_for(uri: StorageURI, config: TransferConfig) -> AsyncIterator[St
 
     Stores are told apart by what they resolve to (backend, bucket and options, the environment's included),
     so a changed endpoint or account gets a store of its own."""
-    store = open_store(uri, config)  # nothing is connected before its first request
+    store = open_store(uri, config=config)  # nothing is connected before its first request
     if asyncio.get_running_loop() is not BackgroundLoop.get().loop:
         async with store:
             yield store

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ..config import TransferConfig
+from ..deprecation import keywords_only
 from ..uri import with_options
 from .base import FastckptHandler, StoreWrapper, location
 from .copy import copy_files, install_copy_files_guard, pyarrow_copy_files
@@ -66,31 +67,34 @@ class FacadeFileSystem(pafs.PyFileSystem):
         self.close()
 
 
-def filesystem(uri: str, config: TransferConfig | None = None, *,
+@keywords_only(1, "config")
+def filesystem(uri: str, *, config: TransferConfig | None = None,
                store_wrapper: StoreWrapper | None = None, **options: object) -> pafs.FileSystem:
     """A pyarrow filesystem for ``uri``'s backend (its bucket and key do not restrict paths). ``options``: store
     options, as the URI's query takes them (``server_side_encryption="aws:kms"``, ``region=...``)."""
     uri = with_options(uri, options)
     if location(uri).backend == "delegate":
         return pafs.FileSystem.from_uri(uri)[0]
-    return FacadeFileSystem(handler(uri, config, store_wrapper=store_wrapper))
+    return FacadeFileSystem(handler(uri, config=config, store_wrapper=store_wrapper))
 
 
-def handler(uri: str, config: TransferConfig | None = None, *,
+@keywords_only(1, "config")
+def handler(uri: str, *, config: TransferConfig | None = None,
             store_wrapper: StoreWrapper | None = None) -> FastckptHandler:
     """The facade handler for ``uri``'s backend: ``LocalHandler`` for local paths, else ``ObjectStoreHandler``."""
     cls = LocalHandler if location(uri).backend == "local" else ObjectStoreHandler
     return cls(uri, config, store_wrapper)
 
 
-def from_uri(uri: str, config: TransferConfig | None = None, *,
+@keywords_only(1, "config")
+def from_uri(uri: str, *, config: TransferConfig | None = None,
              store_wrapper: StoreWrapper | None = None) -> tuple[pafs.FileSystem, str]:
     """Like ``pyarrow.fs.FileSystem.from_uri``: the filesystem and the path ``uri`` names on it."""
     loc = location(uri)
     if loc.backend == "delegate":
         return pafs.FileSystem.from_uri(uri)
     path = "/" + loc.key if loc.backend == "local" else "/".join(p for p in (loc.bucket, loc.key) if p)
-    return filesystem(uri, config, store_wrapper=store_wrapper), path
+    return filesystem(uri, config=config, store_wrapper=store_wrapper), path
 
 
 __all__ = [

@@ -117,8 +117,8 @@ class FastckptHandler(pafs.FileSystemHandler):
         """The store of ``bucket`` (created on first use, on the loop)."""
         store = self._stores.get(bucket)
         if store is None:
-            store = open_store(StorageURI(self.uri, self.scheme, self.backend, bucket, "", self.options), self.config,
-                               retry=False)
+            store = open_store(StorageURI(self.uri, self.scheme, self.backend, bucket, "", self.options),
+                               config=self.config, retry=False)
             if self.store_wrapper is not None:
                 store = self.store_wrapper(store)
             store = retrying(store, self.config)

@@ -11,6 +11,7 @@ from typing import Any
 import pyarrow.fs as pafs
 from pyarrow.lib import ArrowNotImplementedError
 
+from ..checkpoint.manifest import is_marker
 from ..config import TransferConfig
 from ..engine.stream import copy_object
 from ..errors import ObjectNotFoundError
@@ -186,7 +187,10 @@ class ObjectStoreHandler(FastckptHandler):
         doomed = await self._tree(store, key)
         if not contents_only and key:
             doomed.append(key + "/")
-        await store.delete_many(doomed)
+        markers = [k for k in doomed if is_marker(k)]
+        if markers:  # checkpoints below stop being committed before any of their files go (Ray's num_to_keep)
+            await store.delete_many(markers)
+        await store.delete_many([k for k in doomed if not is_marker(k)])
         if key:
             await (self._keep_dir(store, key) if contents_only else self._keep_parent(store, key))
         return None

@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 
 from ..config import TransferConfig
+from ..deprecation import keywords_only
 from ..uri import ENTRY_POINTS, StorageURI, parse_uri, plugin_schemes
 from .base import MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store
 from .retry import RetryingStore
@@ -50,7 +51,8 @@ def backend_status() -> dict[str, str]:
     return status
 
 
-def open_store(uri: str | StorageURI, config: TransferConfig | None = None, *, retry: bool = True) -> Store:
+@keywords_only(1, "config")
+def open_store(uri: str | StorageURI, *, config: TransferConfig | None = None, retry: bool = True) -> Store:
     """A store for ``uri``'s backend and bucket. Keys passed to it are full keys (``uri.key`` + ...).
 
     The backend is built in or a plug-in registered under the entry-point group ``fastckpt.stores``.

@@ -364,8 +364,8 @@ class Store(abc.ABC):
     async def abort_pending_upload(self, upload: PendingUpload) -> None:  # noqa: B027 - none by default
         """Abort an upload found by ``list_pending_uploads``."""
 
-    async def list_orphans(self, prefix: str = "", older_than: float = 0.0) -> list[str]:
-        """Hidden keys under ``prefix`` last written before ``older_than`` (a time) that belong to no object any
+    async def list_orphans(self, prefix: str = "", before: float = 0.0) -> list[str]:
+        """Hidden keys under ``prefix`` last written before the time ``before`` that belong to no object any
         more (for gc; ``delete_many`` removes them)."""
         return []
 

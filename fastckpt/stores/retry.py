@@ -279,9 +279,9 @@ class RetryingStore(Store):
     async def abort_pending_upload(self, upload: PendingUpload) -> None:
         await self.retry(f"abort of upload of {upload.key}", lambda: self.inner.abort_pending_upload(upload))
 
-    async def list_orphans(self, prefix: str = "", older_than: float = 0.0) -> list[str]:
+    async def list_orphans(self, prefix: str = "", before: float = 0.0) -> list[str]:
         return await self.retry(f"listing of orphans below {prefix!r}",
-                                lambda: self.inner.list_orphans(prefix, older_than))
+                                lambda: self.inner.list_orphans(prefix, before))
 
 
 class _RetryingUpload(MultipartUpload):

@@ -25,6 +25,7 @@ import time
 
 from .. import otel, stats
 from ..config import TransferConfig, env_seconds
+from ..deprecation import keywords_only
 from ..engine.open_stores import store_for
 from ..errors import CheckpointError, IntegrityError
 from ..uri import parse_uri
@@ -108,7 +109,8 @@ def oldest_queued_s(tier: Tier) -> float | None:
     return max(0.0, time.time() - min(_queued_at(p) for p in pending)) if pending else None
 
 
-def run_agent(tier: Tier, idle: float = IDLE_S, config: TransferConfig | None = None, lock_fd: int | None = None
+@keywords_only(1, "idle", "config", "lock_fd")
+def run_agent(tier: Tier, *, idle: float = IDLE_S, config: TransferConfig | None = None, lock_fd: int | None = None
               ) -> bool:
     """Drain ``tier``'s queue until it has been empty for ``idle`` seconds; False when another agent runs.
     ``lock_fd``: the tier's lock, taken already by whoever started this agent."""
@@ -122,7 +124,7 @@ def run_agent(tier: Tier, idle: float = IDLE_S, config: TransferConfig | None = 
     finally:
         os.close(fd)
     if os.path.isdir(tier.queue_dir) and (tier.pending() or handoffs(tier)):  # queued or handed after the last look,
-        run_agent(tier, idle, config)                                     # by a saver that saw the lock held
+        run_agent(tier, idle=idle, config=config)  # by a saver that saw the lock held
     return True
 
 

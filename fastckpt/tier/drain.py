@@ -29,6 +29,7 @@ from ..checkpoint.manifest import (
     meta_prefix,
     rank_key,
 )
+from ..checkpoint.retention import retain_beside
 from ..config import TransferConfig
 from ..engine.transfer import Transfer
 from ..errors import AlreadyExistsError, CheckpointError, IntegrityError, ObjectNotFoundError
@@ -75,13 +76,14 @@ async def drain(entry: QueueEntry, store: Store, config: TransferConfig, queued:
     if await _adopt(store, durable, local, copy, entry.attempt):
         return True
     if upload:
-        base = None if entry.base is None else await resolve_base(store, durable, entry.base)
+        base = None if entry.drain.base is None else await resolve_base(store, durable, entry.drain.base)
         await _upload(store, config, copy, durable, manifest, base)
         await _put_same(store, rank_key(meta_prefix(durable.key), entry.attempt, entry.rank), data)
     if not queued():
         return False
     if marker is not None:
         if await commit_if_complete(store, durable, entry.attempt, manifest.world_size, marker[1]):
+            await retain_beside(store, durable, entry.drain.retention)
             return True
     elif entry.handed:  # no marker agreed here: commit from the durable manifests, then adopt what is committed
         await commit_if_complete(store, durable, entry.attempt, manifest.world_size, None)

@@ -33,7 +33,7 @@ from ..errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
 from ..integrity import FileDigest, combine
 from ..threads import off_loop
 from ..uri import StorageURI, parse_uri
-from .layout import Tier, TierStore, names_rank, record_name
+from .layout import NO_DRAIN, Drain, Tier, TierStore, names_rank, record_name
 
 
 def part_size(size: int, config: TransferConfig) -> int:
@@ -69,12 +69,13 @@ class Handoff:
     world_size: int
     keep: int
     files: tuple[StagedFile, ...]
-    base: str | None = None
-    """The save's ``base=`` (``QueueEntry.base``)."""
+    drain: Drain = NO_DRAIN
 
     def encode(self) -> bytes:
         """JSON bytes."""
-        return json.dumps(asdict(self)).encode()
+        doc = asdict(self)
+        del doc["drain"]
+        return json.dumps({**doc, **self.drain.doc()}).encode()
 
     @classmethod
     def decode(cls, data: bytes, where: str) -> Handoff:
@@ -84,8 +85,7 @@ class Handoff:
             files = tuple(StagedFile(str(f["name"]), str(f["tmp"]), str(f["final"]), int(f["size"]), int(f["part"]))
                           for f in doc["files"])
             return cls(str(doc["durable"]), str(doc["copy"]), str(doc["attempt"]), int(doc["rank"]),
-                       int(doc["world_size"]), int(doc["keep"]), files,
-                       None if doc.get("base") is None else str(doc["base"]))
+                       int(doc["world_size"]), int(doc["keep"]), files, Drain.from_doc(doc))
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"tier hand-off record {where} is malformed: {exc}") from None
 
@@ -205,7 +205,7 @@ async def finish(tier: Tier, handoff: Handoff) -> None:
     if not await off_loop(tier.queued, durable, handoff.rank):
         ranks = Tier(tier.root, keep=handoff.keep, capacity=tier.capacity)  # the saver's keep
         await off_loop(functools.partial(ranks.enqueue, durable, handoff.attempt, handoff.rank, time.time(),
-                                         handed=found is None, base=handoff.base))
+                                         handed=found is None, drain=handoff.drain))
 
 
 async def _publish(f: StagedFile) -> FileEntry:

@@ -29,6 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from ..checkpoint.manifest import META_DIR
+from ..checkpoint.retention import Retention
 from ..errors import CheckpointError
 from ..fileio import write_whole
 from ..stores.local import LocalStore
@@ -56,6 +57,32 @@ class TierStore(LocalStore):
 
 
 @dataclass(frozen=True)
+class Drain:
+    """What a save asks of the agent beyond copying its files: ``base`` (the save's ``base=``: a committed
+    checkpoint's URI, or ``"latest"``), resolved in the durable store when the agent drains, so that the store copies
+    the base's unchanged bytes instead of the agent sending them; ``retention``, applied beside the durable
+    checkpoint once it is committed there."""
+
+    base: str | None = None
+    retention: Retention | None = None
+
+    def doc(self) -> dict[str, object]:
+        """The fields a queue entry or hand-off record keeps (JSON-able)."""
+        return {"base": self.base, "retention": None if self.retention is None else asdict(self.retention)}
+
+    @classmethod
+    def from_doc(cls, doc: dict) -> Drain:
+        """Read back from a record written by ``doc`` (or before retention, with ``base`` alone)."""
+        kept = doc.get("retention")
+        return cls(None if doc.get("base") is None else str(doc["base"]),
+                   None if kept is None else Retention(**kept))
+
+
+NO_DRAIN = Drain()
+"""A plain drain: every byte sent, nothing removed."""
+
+
+@dataclass(frozen=True)
 class QueueEntry:
     """One rank's copy waiting to be drained to its durable checkpoint."""
 
@@ -69,13 +96,13 @@ class QueueEntry:
     handed: bool = False
     """Finished by the agent for a process that handed it over (``handoff``): no marker in the tier unless the
     ranks committed there, so the drain commits from the durable manifests."""
-    base: str | None = None
-    """The save's ``base=`` (a committed checkpoint's URI, or ``"latest"``), resolved in the durable store when the
-    agent drains: the store copies the base's unchanged bytes instead of the agent sending them."""
+    drain: Drain = NO_DRAIN
 
     def encode(self) -> bytes:
         """JSON bytes."""
-        return json.dumps(asdict(self)).encode()
+        doc = asdict(self)
+        del doc["drain"]
+        return json.dumps({**doc, **self.drain.doc()}).encode()
 
     @classmethod
     def decode(cls, data: bytes, where: str) -> QueueEntry:
@@ -83,8 +110,7 @@ class QueueEntry:
         try:
             doc = json.loads(data)
             return cls(str(doc["durable"]), str(doc["copy"]), str(doc["attempt"]), int(doc["rank"]), int(doc["keep"]),
-                       float(doc.get("not_before", 0.0)), bool(doc.get("handed", False)),
-                       None if doc.get("base") is None else str(doc["base"]))
+                       float(doc.get("not_before", 0.0)), bool(doc.get("handed", False)), Drain.from_doc(doc))
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"tier queue entry {where} is malformed: {exc}") from None
 
@@ -197,15 +223,15 @@ class Tier:
                                 "copies")
 
     def enqueue(self, durable: StorageURI, attempt: str, rank: int, committed_at: float, delay: float = 0.0,
-                handed: bool = False, base: str | None = None) -> None:
+                handed: bool = False, drain: Drain = NO_DRAIN) -> None:
         """Record rank ``rank``'s committed copy of ``durable`` and queue it for the agent (after ``delay`` seconds:
         a peer's replica, drained here only if its own node has not committed the checkpoint by then; ``handed``,
-        ``base``: see ``QueueEntry``)."""
+        ``drain``: see ``QueueEntry``)."""
         copy = self.copy_of(durable)
         cid = checkpoint_id(durable)
         record = {"durable": durable.uri(), "copy": "/" + copy.key, "attempt": attempt, "committed_at": committed_at}
         write_whole(os.path.join(self.copies_dir, f"{cid}.json"), json.dumps(record).encode())
-        entry = QueueEntry(durable.uri(), "/" + copy.key, attempt, rank, self.keep, time.time() + delay, handed, base)
+        entry = QueueEntry(durable.uri(), "/" + copy.key, attempt, rank, self.keep, time.time() + delay, handed, drain)
         write_whole(os.path.join(self.queue_dir, record_name(durable, rank)), entry.encode())
 
     def supersede(self, durable: StorageURI) -> bool:

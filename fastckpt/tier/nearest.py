@@ -12,6 +12,7 @@ from ..checkpoint.documents import read_object
 from ..checkpoint.manifest import CommitMarker, marker_key
 from ..checkpoint.reader import Checkpoint, open_checkpoint_async
 from ..config import TransferConfig
+from ..deprecation import keywords_only
 from ..errors import CheckpointError, ObjectNotFoundError
 from ..integrity import FileDigest
 from ..stores.base import Store
@@ -28,7 +29,15 @@ async def _marker(store: Store, key: str) -> tuple[bytes, CommitMarker] | None:
     return None
 
 
-async def tier_checkpoint(durable: StorageURI, tier: Tier, ranks: Iterable[int] | None,
+def tier_or_group(what: str, tier: object, group: object) -> None:
+    """The one refusal of a read given both ``tier=`` and ``group=`` (ValueError naming ``what``)."""
+    if tier is not None and group is not None:
+        raise ValueError(f"{what} takes tier= or group=, not both: each node's tier holds its own ranks' files, "
+                         "while a group read shares one read of the store among the ranks")
+
+
+@keywords_only(3, "config")
+async def tier_checkpoint(durable: StorageURI, tier: Tier, ranks: Iterable[int] | None, *,
                           config: TransferConfig | None = None) -> Checkpoint | None:
     """``tier``'s copy of committed checkpoint ``durable`` opened for ``ranks`` (None: every rank): committed there,
     with their manifests as the marker names them; its files may be elsewhere (``held_files``). None if not. Saves
@@ -54,18 +63,20 @@ def held_files(files: dict[str, FileDigest | None], copy: StorageURI) -> set[str
     return held
 
 
-async def nearest_copy(durable: str | StorageURI, tier: Tier, ranks: Iterable[int] | None,
+@keywords_only(3, "config")
+async def nearest_copy(durable: str | StorageURI, tier: Tier, ranks: Iterable[int] | None, *,
                        config: TransferConfig | None = None) -> Checkpoint | None:
     """``tier``'s copy of committed checkpoint ``durable``, opened for ``ranks`` (None: every rank), when it holds
     every manifest and file they need; None when the durable store must serve the read."""
     uri = parse_uri(durable) if not isinstance(durable, StorageURI) else durable
-    ckpt = await tier_checkpoint(uri, tier, ranks, config)
+    ckpt = await tier_checkpoint(uri, tier, ranks, config=config)
     if ckpt is None or len(await off_loop(held_files, ckpt.files, tier.copy_of(uri))) != len(ckpt.files):
         return None
     return ckpt
 
 
-async def latest_across(parent: str | StorageURI, tier: Tier, config: TransferConfig | None = None) -> str | None:
+@keywords_only(2, "config")
+async def latest_across(parent: str | StorageURI, tier: Tier, *, config: TransferConfig | None = None) -> str | None:
     """The durable URI of the newest committed checkpoint below ``parent`` in ``tier`` (this node's copies, committed
     there and perhaps not yet drained) or in the durable store (by commit time, then name); None when neither has
     one. Read it with ``tier=`` to read the nearest copy."""

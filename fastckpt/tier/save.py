@@ -9,7 +9,7 @@ import functools
 import logging
 import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from ..checkpoint.attempt import attempt_from_env, new_attempt_id
 from ..checkpoint.barrier import Barrier
@@ -25,7 +25,7 @@ from ..threads import off_loop
 from ..uri import StorageURI
 from .agent import ensure_agent
 from .handoff import handed
-from .layout import Tier, TierStore
+from .layout import NO_DRAIN, Drain, Tier, TierStore
 
 log = logging.getLogger("fastckpt")
 
@@ -54,12 +54,14 @@ def known_attempt(attempt: str | None, world_size: int, barrier: Barrier | None)
 
 async def commit_in_tier(tier: Tier, durable: StorageURI, write: Callable[[CheckpointWriter], Awaitable[None]],
                          rank: int, world_size: int, barrier: Barrier | None, attempt: str | None,
-                         config: TransferConfig, base: str | None = None) -> CommitResult:
+                         config: TransferConfig, drain: Drain = NO_DRAIN,
+                         metrics: Mapping[str, float] | None = None) -> CommitResult:
     """Commit rank ``rank``'s share of ``durable`` into ``tier`` (``write`` puts its files through the writer) with
-    the other ranks, each in its own node's tier; then queue it for the node agent (which drains it incrementally
-    from ``base``, when given), started if none runs. The result names the tier's copy."""
+    the other ranks, each in its own node's tier (``metrics`` in the marker the agents copy to the durable store);
+    then queue it for the node agent (which drains it as ``drain`` says), started if none runs. The result names the
+    tier's copy."""
     writer = CheckpointWriter(tier.copy_of(durable), rank=rank, world_size=world_size, barrier=barrier,
-                              attempt=attempt, config=config, store=TierStore(), per_node=True)
+                              attempt=attempt, config=config, store=TierStore(), per_node=True, metrics=metrics)
     async with writer:
         await write(writer)
     result = writer.result
@@ -67,7 +69,7 @@ async def commit_in_tier(tier: Tier, durable: StorageURI, write: Callable[[Check
     if barrier is not None and world_size > 1:
         with contextlib.suppress(TypeError):
             _agreed[barrier] = result.attempt
-    await off_loop(functools.partial(tier.enqueue, durable, result.attempt, rank, result.committed_at, base=base))
+    await off_loop(functools.partial(tier.enqueue, durable, result.attempt, rank, result.committed_at, drain=drain))
     await off_loop(ensure_agent, tier)
     return result
 
@@ -80,8 +82,8 @@ def supersede(tier: Tier, durable: StorageURI) -> None:
 
 
 async def save_to_tier(tier: Tier, durable: StorageURI, files: list[tuple[str, Layout]], rank: int, world_size: int,
-                       barrier: Barrier | None, attempt: str | None, config: TransferConfig, base: str | None = None
-                       ) -> CommitResult:
+                       barrier: Barrier | None, attempt: str | None, config: TransferConfig, drain: Drain = NO_DRAIN,
+                       metrics: Mapping[str, float] | None = None) -> CommitResult:
     """``commit_in_tier`` of ``files`` (bytes in memory, written through the tier's store), over a copy an earlier
     run left undrained (``Tier.supersede``)."""
     await off_loop(supersede, tier, durable)
@@ -91,7 +93,7 @@ async def save_to_tier(tier: Tier, durable: StorageURI, files: list[tuple[str, L
         for name, layout in files:
             await writer.put_layout(name, layout)
 
-    return await commit_in_tier(tier, durable, write, rank, world_size, barrier, attempt, config, base)
+    return await commit_in_tier(tier, durable, write, rank, world_size, barrier, attempt, config, drain, metrics)
 
 
 async def wait_durable(tier: Tier, durable: StorageURI, result: CommitResult, rank: int, timeout: float | None,

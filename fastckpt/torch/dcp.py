@@ -30,7 +30,7 @@ import functools
 import os
 import pickle
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +53,8 @@ from ..checkpoint.attempt import attempt_from_env, new_attempt_id
 from ..checkpoint.barrier import HandedBarrier
 from ..checkpoint.base import BaseCheckpoint, resolve_base
 from ..checkpoint.commit import CommitResult
-from ..checkpoint.manifest import RankManifest, generation_root, marker_key
+from ..checkpoint.manifest import RankManifest, check_metrics, generation_root, marker_key
+from ..checkpoint.retention import Retention, retain_beside
 from ..checkpoint.writer import CheckpointWriter
 from ..config import TransferConfig
 from ..engine.layout import Layout
@@ -61,7 +62,7 @@ from ..errors import CheckpointError
 from ..stores.base import Store
 from ..threads import off_loop
 from ..tier import Tier, ensure_agent
-from ..tier.layout import TierStore
+from ..tier.layout import Drain, TierStore
 from ..tier.save import supersede, wait_durable
 from ..uri import StorageURI
 from .dcp_format import INDEX, Encoded, encode, encode_index, exact
@@ -109,7 +110,9 @@ class Writer(_Location, StorageWriter, AsyncStager):
     node's tier directory): each rank's file goes into its node's tier and the save commits there, on the
     coordinator's node (the ``fastckpt.tier`` agents drain it to ``path``: ``wait_durable``; with ``base``, each agent
     resolves the base in the durable store as it drains, and has the store copy the unchanged bytes). One save at a
-    time per writer, as with DCP's own. ``uri=`` is the same as ``path``.
+    time per writer, as with DCP's own. ``uri=`` is the same as ``path``. ``metrics`` (name: number): recorded in
+    the commit marker. ``retention`` (a ``fastckpt.Retention``): once a save is committed at ``path``, the
+    coordinator (with ``tier``: the agent) removes the checkpoints beside it that the policy does not keep.
     """
 
     _synchronize_after_execute = False
@@ -122,7 +125,8 @@ class Writer(_Location, StorageWriter, AsyncStager):
                  serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE, *,
                  uri: str | os.PathLike[str] | None = None, attempt: str | None = None,
                  config: TransferConfig | None = None, base: str | None = None,
-                 tier: str | os.PathLike[str] | Tier | None = None, **storage_options: Any) -> None:
+                 tier: str | os.PathLike[str] | Tier | None = None, metrics: Mapping[str, float] | None = None,
+                 retention: Retention | None = None, **storage_options: Any) -> None:
         super().__init__()
         if path is not None and uri is not None:
             raise ValueError("give the checkpoint as path or as uri=, not both")
@@ -139,6 +143,7 @@ class Writer(_Location, StorageWriter, AsyncStager):
         where = path if path is not None else uri
         self.uri = os.fspath(where) if where is not None else None
         self.attempt, self.base = attempt, base
+        self.metrics, self.retention = check_metrics(metrics or {}), retention
         self.config = _with_stock_options(config, sync_files, thread_count)
         self.single_file_per_rank, self.per_thread_copy_ahead = single_file_per_rank, per_thread_copy_ahead
         self.overwrite = self.tier is None if overwrite is None else overwrite
@@ -302,7 +307,7 @@ class Writer(_Location, StorageWriter, AsyncStager):
         """Saves into a tier: queue rank ``rank``'s copy for the node agent (started if none runs)."""
         if self.tier is not None:
             await off_loop(functools.partial(self.tier.enqueue, self._target(), attempt, rank, time.time(),
-                                             base=self.base))
+                                             drain=Drain(self.base, self.retention)))
             await off_loop(ensure_agent, self.tier)
 
     def finish(self, metadata: dcp_meta.Metadata, results: list[list[WriteResult]]) -> None:
@@ -343,7 +348,7 @@ class Writer(_Location, StorageWriter, AsyncStager):
         async with self._store() as (target, cfg, store):
             writer = CheckpointWriter(target, rank=0, world_size=world_size, attempt=attempt, config=cfg,
                                       barrier=HandedBarrier(handed), store=store, per_node=self.tier is not None,
-                                      overwrite=bool(plan.root))
+                                      overwrite=bool(plan.root), metrics=dict(self.metrics))
             async with writer:
                 if own is not None:
                     writer.record_written(own.files, own.copied)
@@ -351,6 +356,8 @@ class Writer(_Location, StorageWriter, AsyncStager):
                 await writer.put_layout(INDEX, Layout([index]))
                 if plan.root:
                     writer.publish(METADATA, metadata)
+            if self.tier is None:
+                await retain_beside(store, target, self.retention)
         self.result = writer.result
         await self._queue(attempt, 0)
 

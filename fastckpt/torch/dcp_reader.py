@@ -37,7 +37,7 @@ from ..integrity import FileDigest
 from ..stores.base import Store
 from ..tasks import gather_all
 from ..threads import off_loop
-from ..tier import Tier, held_files, tier_checkpoint
+from ..tier import Tier, held_files, tier_checkpoint, tier_or_group
 from ..tier.layout import TierStore
 from ..uri import StorageURI
 from .dcp_format import INDEX, decode_bytes, decode_index, decode_tensor, load_metadata, stored_items
@@ -74,8 +74,7 @@ class Reader(_Location, StorageReader):
         rank's node holds its own rank's files; every chunk checked against the same digests), the others from
         ``uri``; the manifests from the tier where the checkpoint is committed there."""
         super().__init__()
-        if tier is not None and group is not None:
-            raise ValueError("Reader takes tier= or group=, not both (each node's tier holds its own ranks' files)")
+        tier_or_group("Reader", tier, group)
         if path is not None and uri is not None:
             raise ValueError("give the checkpoint as path or as uri=, not both")
         self.storage_options = storage_query(storage_options)
@@ -117,7 +116,7 @@ class Reader(_Location, StorageReader):
         URI's; when allowed and there is no marker, the files as listed), DCP's metadata bytes and fastckpt's index
         (None when it has none), read verified; which of its files this node's tier holds (``_sources``)."""
         target, cfg = self._where()
-        ckpt = None if self.tier is None else await tier_checkpoint(target, self.tier, None, cfg)
+        ckpt = None if self.tier is None else await tier_checkpoint(target, self.tier, None, config=cfg)
         if ckpt is None:
             async with self._store() as (_, _, store):
                 ckpt = await self._open(store, target, cfg)

@@ -21,7 +21,7 @@ from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError
 from ..integrity import FileDigest
 from ..stores.base import Store
 from ..threads import off_loop
-from ..tier import Tier, nearest_copy
+from ..tier import Tier, nearest_copy, tier_or_group
 from ..tier.layout import TierStore
 from ..uri import StorageURI, parse_uri
 from .format import Header, TensorEntry, flatten, header_length, parse_header, state_of
@@ -87,13 +87,14 @@ async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: s
     it loads), each byte is read from storage once for the whole group and shared over it
     (``torch.group_load``); a failure on any rank fails every rank. None: this process alone.
 
-    ``tier`` (this node's tier directory, as given to ``async_save``): read from the tier's copy when it holds the
-    committed checkpoint's files of ``rank`` (verified against the same digests), else from ``uri``.
+    ``tier`` (this node's tier directory, as given to ``async_save``; not with ``group``): read from the tier's copy
+    when it holds the committed checkpoint's files of ``rank`` (verified against the same digests), else from ``uri``.
     """
+    tier_or_group("load", tier, group)
     base = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
     cfg = config or TransferConfig.from_env()
-    if tier is not None and group is None:
-        near = await nearest_copy(base, tier if isinstance(tier, Tier) else Tier(tier), [rank or 0], cfg)
+    if tier is not None:
+        near = await nearest_copy(base, tier if isinstance(tier, Tier) else Tier(tier), [rank or 0], config=cfg)
         if near is not None:
             try:
                 return await _load(TierStore(), near, base, state_dict, device, rank, world_size, cfg, staging)

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -16,6 +16,7 @@ from .. import stats
 from .._loop import BackgroundLoop
 from ..checkpoint.barrier import Barrier
 from ..checkpoint.commit import CommitResult
+from ..checkpoint.retention import Retention, retain_beside
 from ..checkpoint.writer import CheckpointWriter
 from ..config import TransferConfig
 from ..engine.layout import Layout
@@ -23,6 +24,7 @@ from ..engine.open_stores import store_for
 from ..stores.base import Store
 from ..threads import off_loop
 from ..tier import Tier
+from ..tier.layout import Drain
 from ..tier.save import save_to_tier, supersede, wait_durable
 from ..uri import parse_uri
 from .format import Header, build_header, flatten, split_large, with_state
@@ -98,49 +100,56 @@ class SaveHandle:
         return self._future.exception()
 
 
-def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int | None = None,
+def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int | None = None, group: Any = None,
          barrier: Barrier | None = None, attempt: str | None = None, config: TransferConfig | None = None,
          store: Store | None = None, base: str | None = None, tier: str | os.PathLike[str] | Tier | None = None,
-         replicas: int = 0, overwrite: bool = False) -> CommitResult:
+         replicas: int = 0, overwrite: bool = False, metrics: Mapping[str, float] | None = None,
+         retention: Retention | None = None) -> CommitResult:
     """Save ``state_dict`` (this rank's share) to checkpoint ``uri`` and commit it with the other ranks.
 
     CPU tensors are uploaded straight from their memory (no copy, no local file); the call returns once
-    the checkpoint is committed. Device tensors go through a temporary host staging area. ``rank`` and
-    ``world_size`` default to ``torch.distributed``'s (else 0 and 1); ``barrier`` then defaults to a
-    ``TorchBarrier`` on a gloo group of its own. ``base`` (a committed checkpoint's URI, or ``"latest"``) makes
-    the save incremental: the tensors of 1 MiB and more go to a file of their own (``rank_files``), and a file or
-    part of one that holds the same bytes as the base's is copied by the store, not sent (``CheckpointWriter``); the
-    result's ``copied`` and ``sent`` say how much. ``tier`` (a directory on this node, or a ``Tier``): commit into
-    the tier and return; its node agent drains it to ``uri`` (see ``async_save``, also for ``replicas``).
-    ``overwrite``: a checkpoint committed at ``uri`` is replaced atomically (``CheckpointWriter``), else refused.
+    the checkpoint is committed. Device tensors go through a temporary host staging area. ``group`` (a
+    ``torch.distributed`` process group, every rank of which saves its share) gives the rank, the world size and the
+    commit's collectives; without it they are the default group's when ``torch.distributed`` is initialised (else
+    rank 0 of 1). ``barrier``: another kind of barrier (a ``StoreBarrier``), not with ``group``. ``base`` (a
+    committed checkpoint's URI, or ``"latest"``) makes the save incremental: the tensors of 1 MiB and more go to a
+    file of their own (``rank_files``), and a file or part of one that holds the same bytes as the base's is copied
+    by the store, not sent (``CheckpointWriter``); the result's ``copied`` and ``sent`` say how much. ``tier`` (a
+    directory on this node, or a ``Tier``): commit into the tier and return; its node agent drains it to ``uri``
+    (see ``async_save``, also for ``replicas``). ``overwrite``: a checkpoint committed at ``uri`` is replaced
+    atomically (``CheckpointWriter``), else refused. ``metrics`` (name: number): recorded in the commit marker (rank
+    0's). ``retention`` (a ``fastckpt.Retention``): once committed, rank 0 removes the checkpoints beside ``uri`` that
+    it does not keep (with ``tier``: the agent, once committed at ``uri``).
     """
-    rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
+    rank, world_size, barrier = distributed_defaults(rank, world_size, barrier, group)
     skeleton, tensors = flatten(state_dict)
     if tier is not None or any(t.device.type != "cpu" for t in tensors.values()):
         handle = async_save(state_dict, uri, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
                             config=config, store=store, staging=None if tier else Staging(), base=base,
-                            tier=tier, replicas=replicas, overwrite=overwrite)
+                            tier=tier, replicas=replicas, overwrite=overwrite, metrics=metrics, retention=retention)
         return handle._future.result()  # committed (in the tier): not just handed to the agent
     files = [(name, Layout([header.raw] + [byte_view(tensors[n].detach().contiguous()) for n in header.tensors]))
              for name, header in rank_files(rank, skeleton, tensors, base is not None)]
-    place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, None, overwrite)
+    place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, None, overwrite, metrics, retention)
     return BackgroundLoop.get().run(_commit(files, place))
 
 
 def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int | None = None,
-               barrier: Barrier | None = None, attempt: str | None = None, config: TransferConfig | None = None,
-               store: Store | None = None, staging: Staging | None = None,
+               group: Any = None, barrier: Barrier | None = None, attempt: str | None = None,
+               config: TransferConfig | None = None, store: Store | None = None, staging: Staging | None = None,
                if_busy: Literal["wait", "error"] = "wait", base: str | None = None,
                tier: str | os.PathLike[str] | Tier | None = None, replicas: int = 0,
-               overwrite: bool = False) -> SaveHandle:
+               overwrite: bool = False, metrics: Mapping[str, float] | None = None,
+               retention: Retention | None = None) -> SaveHandle:
     """Copy ``state_dict``'s tensors into host staging memory, then upload and commit in the background.
 
     The caller is blocked only for the copies (device tensors: ``non_blocking`` into pinned memory, one
     synchronize); training may change the tensors as soon as this returns. ``staging`` (default: one per
     process, grown to the largest state saved) is reused by every save; while an earlier save from the
     same staging is still uploading, ``if_busy="wait"`` waits for it and ``"error"`` raises RuntimeError.
-    The upload runs on fastckpt's background loop; the handle's ``wait()`` surfaces its outcome. ``base``: as for
-    ``save`` (the comparison with the base happens in the background, after the copies).
+    The upload runs on fastckpt's background loop; the handle's ``wait()`` surfaces its outcome. ``group``,
+    ``barrier`` and ``base``: as for ``save`` (the comparison with the base happens in the background, after the
+    copies).
 
     ``tier`` (a directory on this node such as ``/dev/shm/fastckpt``, or a ``fastckpt.tier.Tier``): the save commits
     into the tier (every rank into its own node's; the barrier must not be a store barrier), and the node agent (a
@@ -150,12 +159,14 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
     a tier goes through ``staging`` and readies those files); device tensors go through ``staging``. ``config`` does
     not reach the agent: it opens ``uri`` from the environment it was started in. ``replicas=1``: each rank's copy
     also goes to the tier of the rank one node over (``tier_peers``), before ``wait()`` returns. ``overwrite``: as
-    for ``save`` (not with ``tier``: a tier save commits each step to a URI of its own).
+    for ``save`` (not with ``tier``: a tier save commits each step to a URI of its own). ``metrics`` and
+    ``retention``: as for ``save``.
     """
-    rank, world_size, barrier = distributed_defaults(rank, world_size, barrier)
+    rank, world_size, barrier = distributed_defaults(rank, world_size, barrier, group)
     if overwrite and tier is not None:
         raise ValueError("overwrite=True goes without tier= (a tier save commits each step to a URI of its own)")
-    place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, as_tier(tier, store), overwrite)
+    place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, as_tier(tier, store), overwrite,
+                   metrics, retention)
     after = _replicas(place, replicas)
     started = time.perf_counter()
     skeleton, tensors = flatten(state_dict)
@@ -169,7 +180,7 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
             handed: concurrent.futures.Future[CommitResult] = concurrent.futures.Future()
             coro = commit_staged(place.tier, target, staged, rank, world_size, barrier, attempt,
                                  config or TransferConfig.from_env(), after, None if after else handed.set_result,
-                                 base)
+                                 Drain(base, retention), metrics)
             future = asyncio.run_coroutine_threadsafe(coro, BackgroundLoop.get().loop)
             return SaveHandle(future, time.perf_counter() - started, (place.tier, uri, rank), handed)
         spares = [(name, h.size) for name, h in headers]
@@ -234,6 +245,8 @@ class _Place:
     base: str | None
     tier: Tier | None
     overwrite: bool = False
+    metrics: Mapping[str, float] | None = None
+    retention: Retention | None = None
 
 
 @stats.summarized("save")
@@ -243,7 +256,8 @@ async def _commit(files: list[tuple[str, Layout]], p: _Place, spares: list[tuple
     save in the background (``prepare_spares``)."""
     target, cfg = parse_uri(p.uri), p.config or TransferConfig.from_env()
     if p.tier is not None:
-        result = await save_to_tier(p.tier, target, files, p.rank, p.world_size, p.barrier, p.attempt, cfg, p.base)
+        result = await save_to_tier(p.tier, target, files, p.rank, p.world_size, p.barrier, p.attempt, cfg,
+                                    Drain(p.base, p.retention), p.metrics)
         if after is not None:
             await after()
         if spares:  # after the result: the files are for the next save, not this one
@@ -256,9 +270,11 @@ async def _commit(files: list[tuple[str, Layout]], p: _Place, spares: list[tuple
         if store is None:
             store = await stack.enter_async_context(store_for(target, cfg))
         writer = CheckpointWriter(target, rank=p.rank, world_size=p.world_size, barrier=p.barrier, attempt=p.attempt,
-                                  config=cfg, store=store, base=p.base, overwrite=p.overwrite)
+                                  config=cfg, store=store, base=p.base, overwrite=p.overwrite, metrics=p.metrics)
         async with writer:
             for name, layout in files:
                 await writer.put_layout(name, layout)
+        if p.rank == 0:
+            await retain_beside(store, target, p.retention)
     assert writer.result is not None
     return writer.result

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.barrier import Barrier
+from ..deprecation import warn
 from .format import Header
 
 
@@ -123,18 +124,41 @@ _gloo: tuple[Any, Any] | None = None
 find the attempt its ranks agreed on at their first save, ``tier.save.known_attempt``)."""
 
 
+_barriers: dict[int, tuple[Any, Barrier]] = {}
+"""The barrier of each process group given as ``group=`` (other than the world group), by the group's id."""
+
+
+def _ours(barrier: Barrier) -> bool:
+    """Whether ``barrier`` is one ``distributed_defaults`` made (passed on from ``save`` to ``async_save``)."""
+    return (_gloo is not None and barrier is _gloo[1]) or any(barrier is b for _, b in _barriers.values())
+
+
 def default_staging(rank: int) -> Staging:
     """The process's staging area for ``rank`` (one per rank, so ranks sharing a process never wait on
     each other's uploads)."""
     return _defaults.setdefault(rank, Staging())
 
 
-def distributed_defaults(rank: int | None, world_size: int | None, barrier: Barrier | None
+def distributed_defaults(rank: int | None, world_size: int | None, barrier: Barrier | None, group: Any = None
                          ) -> tuple[int, int, Barrier | None]:
-    """Rank, world size and barrier: from ``torch.distributed`` when it is initialised and they are not
-    given (the barrier: a ``TorchBarrier`` on a gloo group of its own, so the commit's collectives never
-    interleave with training's), else rank 0 of 1 and the default barrier."""
+    """Rank, world size and barrier of a save: those of ``group`` (a ``torch.distributed`` process group, the
+    barrier on a gloo group of its own for the world group, so the commit's collectives never interleave with
+    training's); else from the default group when ``torch.distributed`` is initialised and they are not given; else
+    rank 0 of 1 and the default barrier."""
     global _gloo
+    if group is not None:
+        if barrier is not None:
+            raise ValueError("a save takes group= (a torch.distributed process group) or barrier= (another kind of "
+                             "barrier), not both")
+        if group is not dist.group.WORLD:
+            from ..checkpoint.barrier_torch import TorchBarrier, group_place
+
+            rank, world_size = group_place(group, rank, world_size)
+            if id(group) not in _barriers:  # one per group: its gloo twin is made once, on first use
+                _barriers[id(group)] = (group, TorchBarrier(group))
+            return rank, world_size, _barriers[id(group)][1]
+    elif barrier is not None and type(barrier).__name__ == "TorchBarrier" and not _ours(barrier):
+        warn("barrier=TorchBarrier(group) in a save", "pass the process group as group=", stacklevel=4)
     initialised = dist.is_available() and dist.is_initialized()
     if initialised:
         rank = dist.get_rank() if rank is None else rank

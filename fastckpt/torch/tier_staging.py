@@ -11,7 +11,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,7 @@ from ..engine.layout import Layout
 from ..threads import off_loop
 from ..tier import Tier, TierFullError, ensure_agent
 from ..tier.handoff import Handoff, Held, StagedFile, hand_off, hashed_entry, part_size
+from ..tier.layout import NO_DRAIN, Drain
 from ..tier.save import commit_in_tier, known_attempt
 from ..tier.spare import claim, fits, prepare
 from ..uri import StorageURI
@@ -139,15 +140,16 @@ def discard(staged: list[Staged]) -> None:
 async def commit_staged(tier: Tier, durable: StorageURI, staged: list[Staged], rank: int, world_size: int,
                         barrier: Barrier | None, attempt: str | None, config: TransferConfig,
                         after: Callable[[], Awaitable[None]] | None = None,
-                        safe: Callable[[CommitResult], None] | None = None, base: str | None = None) -> CommitResult:
+                        safe: Callable[[CommitResult], None] | None = None, drain: Drain = NO_DRAIN,
+                        metrics: Mapping[str, float] | None = None) -> CommitResult:
     """Hash the staged files, publish them under their names and commit them in the tier with the other ranks
     (``commit_in_tier``); then ``after()`` (the replicas).
 
     ``safe``: called as soon as the save is handed to the node agent (``tier.handoff``), before the hashing, with
     this rank's share (its files and bytes; the commit time is the hand-off's). The agent finishes the save if this
     process dies, or if its commit here fails (a rank died meanwhile); the files are then left to it. Only once the
-    attempt is known (``known_attempt``): else ``safe`` is not called. ``base``: drained incrementally from it
-    (``QueueEntry.base``)."""
+    attempt is known (``known_attempt``): else ``safe`` is not called. ``drain``, ``metrics``: as
+    ``commit_in_tier`` takes them."""
     sizes = [0 if s.area is None else s.area.numel() for s in staged]
     parts = [part_size(size, config) for size in sizes]
     held: Held | None = None
@@ -156,7 +158,7 @@ async def commit_staged(tier: Tier, durable: StorageURI, staged: list[Staged], r
             copy = tier.copy_of(durable)
             record = Handoff(durable.uri(), "/" + copy.key, attempt, rank, world_size, tier.keep,
                              tuple(StagedFile(s.name, s.tmp, s.final, size, part)
-                                   for s, size, part in zip(staged, sizes, parts, strict=True)), base)
+                                   for s, size, part in zip(staged, sizes, parts, strict=True)), drain)
             held = await off_loop(hand_off, tier, record)
             await off_loop(ensure_agent, tier)
             safe(CommitResult(copy.raw, attempt, world_size, len(staged), sum(sizes), time.time()))
@@ -170,7 +172,8 @@ async def commit_staged(tier: Tier, durable: StorageURI, staged: list[Staged], r
                 await off_loop(os.replace, s.tmp, s.final)
             writer.record_written(tuple(entries))
 
-        result = await commit_in_tier(tier, durable, write, rank, world_size, barrier, attempt, config, base)
+        result = await commit_in_tier(tier, durable, write, rank, world_size, barrier, attempt, config, drain,
+                                      metrics)
         if held is not None:
             held.done()
         if after is not None:

@@ -126,7 +126,7 @@ def run_rank(spec: dict, rank: int) -> None:
     outcome: dict = {"rank": rank, "checkpoints": {}}
 
     async def main() -> None:
-        inner = open_store(spec["uri"], config())
+        inner = open_store(spec["uri"], config=config())
         for ck in spec["checkpoints"]:
             at = pause.get("at") if pause.get("rank") == rank and pause.get("checkpoint") == ck["name"] else None
             store = PausingStore(inner, rank, at, os.path.join(spec["out"], "paused.json"))

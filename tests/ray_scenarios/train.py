@@ -92,7 +92,7 @@ def make_filesystem(spec: dict[str, Any], run: dict[str, Any]) -> Any:
     config = TransferConfig.from_env(part_size=5 * MiB, multipart_threshold=5 * MiB, max_in_flight=4,
                                      retries=3, backoff_base=0.05, backoff_max=0.2)
     wrapper = functools.partial(NthRequestFault, **run["fault"]) if run.get("fault") else None
-    return fastckpt.fs.filesystem(spec["uri"], config, store_wrapper=wrapper)
+    return fastckpt.fs.filesystem(spec["uri"], config=config, store_wrapper=wrapper)
 
 
 def fit(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:

@@ -73,7 +73,7 @@ class DigestRecords(Store):
         """Records of objects' completions."""
         return f"/{RECORD_DIR}/" in f"/{key}"
 
-    async def list_orphans(self, prefix: str = "", older_than: float = 0.0) -> list[str]:
+    async def list_orphans(self, prefix: str = "", before: float = 0.0) -> list[str]:
         """Records whose object is gone, or was replaced without one (another ETag)."""
         base = prefix.strip("/")
         metas = {m.key: m async for page in self._pages(base + "/" if base else "") for m in page.objects}
@@ -82,7 +82,7 @@ class DigestRecords(Store):
         orphans = []
         for key, meta in metas.items():
             head, _, name = key.rpartition(f"{RECORD_DIR}/")
-            if not self.is_hidden(key) or meta.mtime > older_than or "/" in name:
+            if not self.is_hidden(key) or meta.mtime > before or "/" in name:
                 continue
             owner = metas.get(head + name)
             if owner is not None:
