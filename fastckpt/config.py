@@ -11,6 +11,9 @@ from dataclasses import dataclass, fields, replace
 from urllib.parse import SplitResult, urlsplit
 from urllib.request import getproxies_environment, proxy_bypass_environment
 
+__all__ = ["FALSE_WORDS", "TRUE_WORDS", "TransferConfig", "default_state_dir", "env_flag", "env_seconds", "parse_bool",
+           "parse_size", "proxy_for"]
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
           "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
 
@@ -28,6 +31,23 @@ def parse_bool(text: str, what: str) -> bool:
     if word in FALSE_WORDS:
         return False
     raise ValueError(f"invalid {what}={text!r} is not a boolean (use true or false)")
+
+
+def environment() -> Mapping[str, str]:
+    """The process environment, read when asked: outside this module, the command line and the clouds' option
+    modules, fastckpt reads its environment only through here."""
+    return os.environ
+
+
+def env_count(name: str, default: int, env: Mapping[str, str] | None = None) -> int:
+    """A whole number of 1 or more in environment variable ``name``; ``default`` when it is unset or blank;
+    ValueError naming the variable otherwise."""
+    text = (os.environ if env is None else env).get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"invalid {name}={text!r}: expected a whole number >= 1")
+    return int(text)
 
 
 def env_flag(name: str, default: bool, env: Mapping[str, str] | None = None) -> bool:

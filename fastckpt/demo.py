@@ -15,6 +15,8 @@ from .checkpoint.attempt import new_attempt_id
 from .config import TransferConfig
 from .engine.progress import ProgressCallback
 
+__all__ = ["DemoResult", "make_checkpoint", "run_demo", "write_random"]
+
 _BLOCK = 8 << 20
 
 

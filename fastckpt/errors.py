@@ -6,6 +6,10 @@ for pyarrow (and the facade) catches them without a parallel hierarchy.
 
 from __future__ import annotations
 
+__all__ = ["AccessDeniedError", "AlreadyExistsError", "BucketNotFoundError", "CheckpointError", "CopyUnsupportedError",
+           "FastckptError", "IntegrityError", "ObjectNotFoundError", "SourceChangedError", "StoreError",
+           "ThrottledError", "TransientStoreError"]
+
 
 class FastckptError(Exception):
     """Base class of all fastckpt errors."""

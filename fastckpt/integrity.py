@@ -18,6 +18,19 @@ from .errors import IntegrityError
 from .fileio import read_exact
 from .native import native as _native
 
+__all__ = [
+    "DIGEST_ALGO",
+    "META_CHANGED",
+    "META_CHUNK",
+    "META_DIGEST",
+    "ChunkHasher",
+    "FileDigest",
+    "combine",
+    "hash_chunk",
+    "hash_chunks",
+    "read_and_hash",
+]
+
 DIGEST_ALGO = "xxh3-128"
 META_DIGEST = "fastckpt-xxh3"
 META_CHUNK = "fastckpt-chunk"

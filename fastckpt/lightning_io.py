@@ -25,6 +25,8 @@ from .stores.base import Store
 from .threads import off_loop
 from .uri import StorageURI, parse_uri
 
+__all__ = ["FOLDER_FILE", "PREFIX", "FastckptAsyncCheckpointIO", "FastckptCheckpointIO", "checkpoint_uri"]
+
 PREFIX = "fastckpt://"
 FOLDER_FILE = "checkpoint.pt"
 """The one file of a checkpoint saved as a folder (fastckpt before the sidecar format)."""

@@ -13,6 +13,8 @@ from .tier import Tier
 from .tier.agent import DRAINED, oldest_queued_s
 from .tier.handoff import handoffs
 
+__all__ = ["serve"]
+
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 

@@ -8,6 +8,8 @@ from types import ModuleType
 
 from .config import env_flag
 
+__all__ = ["NATIVE", "native_info"]
+
 
 def _load_native() -> tuple[ModuleType | None, str]:
     """The native accelerator module (or None) and a word on why."""

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+__all__ = ["SCOPE", "gauge", "in_flight", "request", "request_bytes", "request_span", "retried", "span", "throttled"]
+
 SCOPE = "fastckpt"
 
 

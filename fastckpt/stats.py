@@ -22,6 +22,20 @@ from typing import Any, ParamSpec, TypeVar
 
 from . import otel
 
+__all__ = [
+    "TOTALS",
+    "Summary",
+    "moved",
+    "observe",
+    "received",
+    "request",
+    "retried",
+    "stage",
+    "started",
+    "summarized",
+    "throttled",
+]
+
 log = logging.getLogger("fastckpt.stats")
 P = ParamSpec("P")
 T = TypeVar("T")

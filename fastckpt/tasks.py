@@ -6,6 +6,8 @@ import asyncio
 from collections.abc import Awaitable, Iterable
 from typing import TypeVar
 
+__all__ = ["gather_all", "gather_bounded"]
+
 T = TypeVar("T")
 
 

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+__all__ = ["io_executor", "off_loop", "socket_executor", "start_io_threads"]
+
 T = TypeVar("T")
 _IO_THREADS = 16
 _SOCKET_THREADS = 256

@@ -9,6 +9,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+__all__ = ["Body", "Buffer", "BufferReceiver", "FileRange", "Pieces", "ProtocolError", "Receiver",
+           "SendfileUnsupported", "body_size"]
+
 Buffer = bytes | bytearray | memoryview
 
 

@@ -12,6 +12,9 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from .config import parse_bool
 
+__all__ = ["BACKEND_OF_SCHEME", "ENTRY_POINTS", "StorageURI", "check_options", "join_key", "names_folder",
+           "option_text", "parse_flag", "parse_uri", "plugin_schemes", "redact", "with_options"]
+
 BACKEND_OF_SCHEME = {
     "s3": "s3",
     "s3a": "s3",

@@ -3,13 +3,15 @@ environment, else drawn by rank 0)."""
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 import time
 from collections.abc import Mapping
 
+from ..config import environment
 from .manifest import check_attempt
+
+__all__ = ["ATTEMPT_TAG", "attempt_from_env", "new_attempt_id"]
 
 ATTEMPT_TAG = "attempt"
 
@@ -20,7 +22,7 @@ def attempt_from_env(env: Mapping[str, str] | None = None) -> str | None:
     ``FASTCKPT_ATTEMPT`` as is; else torchelastic's run id plus its restart count; else SLURM's job
     id plus its restart count. (torchrun's default run id ``none`` is not unique and is ignored.)
     """
-    env = os.environ if env is None else env
+    env = environment() if env is None else env
     if env.get("FASTCKPT_ATTEMPT"):
         return check_attempt(env["FASTCKPT_ATTEMPT"])
     run = env.get("TORCHELASTIC_RUN_ID", "")

@@ -27,6 +27,9 @@ from ..stores.base import Store
 from ..tasks import gather_all
 from .manifest import rank_key
 
+__all__ = ["Barrier", "BarrierError", "BarrierTimeoutError", "HandedBarrier", "InProcessBarrier", "Rendezvous",
+           "describe_missing"]
+
 
 class BarrierError(CheckpointError):
     """The ranks could not meet (a rank died, the transport failed)."""

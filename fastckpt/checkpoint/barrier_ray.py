@@ -14,6 +14,8 @@ import ray
 
 from .barrier import Barrier, BarrierTimeoutError, Rendezvous, describe_missing
 
+__all__ = ["RayBarrier"]
+
 
 @ray.remote(num_cpus=0)
 class _BarrierActor:

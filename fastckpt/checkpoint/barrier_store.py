@@ -15,6 +15,8 @@ from .barrier import Barrier, BarrierTimeoutError, Rendezvous, describe_missing
 from .documents import read_small
 from .manifest import decode_group, encode_group, group_key, rank_key
 
+__all__ = ["BROADCAST_NAME", "FIRST_POLL_TRIPS", "TRIPS_KEPT", "StoreBarrier", "default_barrier"]
+
 BROADCAST_NAME = "broadcast.json"
 TRIPS_KEPT = 1 << 16
 """Round trips remembered at most (ranks of this process awaiting their broadcast)."""

@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from .barrier import Barrier, BarrierError, BarrierTimeoutError, Rendezvous, describe_missing
 
+__all__ = ["TorchBarrier", "gloo_group", "group_place"]
+
 _MISSING_RE = re.compile(r"Ranks? ([\d, ]+?) failed to pass monitoredBarrier")
 
 

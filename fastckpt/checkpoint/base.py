@@ -21,6 +21,8 @@ from .catalog import SCAN_CONCURRENCY, committed_keys
 from .manifest import GENERATION, MARKER, META_DIR, FileEntry, file_doc, file_entry
 from .reader import load
 
+__all__ = ["LATEST", "BaseCheckpoint", "base_objects", "encode_none", "resolve_base"]
+
 LATEST = "latest"
 _KIND = "fastckpt-base"
 

@@ -18,6 +18,23 @@ from ..uri import StorageURI, parse_uri
 from .documents import read_object
 from .manifest import CommitMarker, RankManifest, marker_key, meta_prefix, parse_rank_name
 
+__all__ = [
+    "SCAN_CONCURRENCY",
+    "CheckpointInfo",
+    "attempts_of",
+    "candidates",
+    "checkpoint_name",
+    "committed_keys",
+    "info_of",
+    "list_checkpoints_async",
+    "list_objects",
+    "newest_committed",
+    "read_manifests",
+    "target_of",
+    "uri_of",
+    "with_store",
+]
+
 T = TypeVar("T")
 COMMITTED, UNCOMMITTED, CORRUPT = "committed", "uncommitted", "corrupt"
 SCAN_CONCURRENCY = 16

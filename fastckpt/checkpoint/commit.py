@@ -33,6 +33,8 @@ from .manifest import (
 )
 from .reader import Checkpoint, load
 
+__all__ = ["CHECK_CONCURRENCY", "Commit", "CommitResult"]
+
 CHECK_CONCURRENCY = 64
 """Requests in flight while rank 0 checks the files before committing."""
 

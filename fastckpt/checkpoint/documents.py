@@ -5,6 +5,8 @@ from __future__ import annotations
 from ..errors import CheckpointError
 from ..stores.base import Store
 
+__all__ = ["MAX_DOCUMENT", "read_object", "read_small"]
+
 MAX_DOCUMENT = 256 << 20
 """Largest manifest or marker read (about a million files): a bigger one is refused, not loaded."""
 

@@ -15,6 +15,8 @@ from .manifest import marker_key, meta_prefix
 from .reader import load
 from .retention import Retention, not_kept, remove_committed
 
+__all__ = ["GcReport", "gc_async"]
+
 
 @dataclass
 class GcReport:

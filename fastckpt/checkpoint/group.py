@@ -15,6 +15,8 @@ from ..errors import CheckpointError
 from ..stores.base import Store
 from .barrier_torch import gloo_group
 
+__all__ = ["CHUNK", "STORE_LEARNED", "GroupCall", "chunk_buffer"]
+
 T = TypeVar("T")
 CHUNK = 16 << 20
 """Bytes sent between ranks at once: each rank holds one such buffer (``chunk_buffer``), whatever the size of what

@@ -31,6 +31,8 @@ from ..uri import StorageURI
 from .group import CHUNK, GroupCall, chunk_buffer
 from .reader import corrupt_error, load
 
+__all__ = ["Planned", "download_in_group"]
+
 Planned = tuple[str, int, int, str, int]
 """(name, size, chunk size, digest, owner rank) of one file."""
 

@@ -30,6 +30,35 @@ from ..errors import CheckpointError
 from ..integrity import DIGEST_ALGO, FileDigest, combine
 from ..uri import join_key
 
+__all__ = [
+    "FORMAT_VERSION",
+    "GENERATION",
+    "MARKER",
+    "META_DIR",
+    "REPLACED_DIR",
+    "CommitMarker",
+    "FileEntry",
+    "RankManifest",
+    "build_marker",
+    "check_attempt",
+    "check_metrics",
+    "check_name",
+    "check_root",
+    "decode_group",
+    "digest_of",
+    "encode_group",
+    "file_doc",
+    "file_entry",
+    "generation_root",
+    "group_key",
+    "is_marker",
+    "marker_key",
+    "meta_prefix",
+    "parse_rank_name",
+    "rank_key",
+    "replaced_note_key",
+]
+
 FORMAT_VERSION = 1
 META_DIR = ".fastckpt"
 MARKER = "COMMITTED"

@@ -26,6 +26,21 @@ from ..uri import join_key
 from .attempt import new_attempt_id
 from .documents import read_object
 
+__all__ = [
+    "FORMAT",
+    "READS",
+    "SUFFIX",
+    "Record",
+    "decode_records",
+    "encode_records",
+    "load_one_file",
+    "load_unverified",
+    "read_records",
+    "remove_one_file",
+    "save_one_file",
+    "sidecar_key",
+]
+
 FORMAT = "fastckpt.one-file/1"
 SUFFIX = ".fastckpt"
 READS = 3

@@ -51,6 +51,9 @@ from .manifest import (
     rank_key,
 )
 
+__all__ = ["BadFile", "Checkpoint", "VerifyReport", "corrupt_error", "download_checkpoint_async", "load",
+           "open_checkpoint_async", "verify_async"]
+
 
 @dataclass(frozen=True)
 class BadFile:

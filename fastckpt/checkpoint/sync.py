@@ -20,6 +20,9 @@ from .reader import Checkpoint, VerifyReport, download_checkpoint_async, open_ch
 from .retention import Retention, apply_retention_async
 from .writer import CheckpointWriter
 
+__all__ = ["SyncCheckpointWriter", "apply_retention", "download_checkpoint", "gc", "list_checkpoints",
+           "open_checkpoint", "verify"]
+
 
 def open_checkpoint(uri: str | StorageURI, *, allow_uncommitted: bool = False,
                     config: TransferConfig | None = None) -> Checkpoint:

@@ -55,6 +55,8 @@ from .manifest import (
     replaced_note_key,
 )
 
+__all__ = ["CheckpointWriter"]
+
 log = logging.getLogger("fastckpt")
 
 

@@ -25,6 +25,9 @@ from ..removal import remove
 from ..stores import open_store
 from ..uri import parse_uri
 
+__all__ = ["COMMANDS", "Result", "cmd_agent", "cmd_bench_load", "cmd_cat", "cmd_cp", "cmd_demo", "cmd_doctor", "cmd_du",
+           "cmd_gc", "cmd_ls", "cmd_mv", "cmd_rm", "cmd_sync", "cmd_verify", "config_of"]
+
 Result = dict[str, object]
 
 

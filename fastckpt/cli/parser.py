@@ -11,6 +11,8 @@ from ..config import parse_size
 from ..tier.agent import IDLE_S
 from ..tier.layout import KEEP
 
+__all__ = ["LOCATIONS", "LOG_LEVELS", "Filter", "bench_root", "build_parser"]
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 LOCATIONS = """\

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+__all__ = ["human", "show"]
+
 
 def human(size: int) -> str:
     """``size`` bytes as ``du -h`` writes it (1024-based: 512B, 1.5K, 2.0G)."""

@@ -1,1 +1,3 @@
 """The transfer engine: chunk planning, the buffer pool, pipelined uploads and downloads, streams, I/O threads."""
+
+__all__: list[str] = []  # the modules are the interface: engine.transfer, engine.layout, ...

@@ -22,6 +22,8 @@ from .plan import Plan, plan_copy, plan_download
 from .session import FileResult, TransferSession
 from .sink import RingSink, copy_and_hash, hash_file_range
 
+__all__ = ["Downloads"]
+
 log = logging.getLogger("fastckpt")
 
 

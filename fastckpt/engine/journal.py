@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from ..fileio import write_whole
 from ..stores.local import TMP_SUFFIX
 
+__all__ = ["Journal", "resumable_paths"]
+
 
 def resumable_paths(path: str) -> tuple[str, str]:
     """(partial file, journal) of a resumable download to ``path``: hidden, beside it, named the same on every run."""

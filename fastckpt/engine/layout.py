@@ -25,6 +25,8 @@ from .plan import plan_upload
 from .reuse import BaseObject, same_parts
 from .transfer import Transfer
 
+__all__ = ["DIRECT_PIECE", "Layout", "hash_layout", "hash_pieces", "read_layout", "upload_layout"]
+
 
 class Layout:
     """Views of any buffers (bytes, mmaps, tensors' memory) read or written as one range of bytes."""

@@ -15,6 +15,8 @@ from ..stores import open_store
 from ..stores.base import Store
 from ..uri import StorageURI
 
+__all__ = ["CLOSE_S", "store_for"]
+
 _open: dict[tuple[object, TransferConfig], Store] = {}
 CLOSE_S = 5.0
 """Longest the process's exit waits for the kept stores to close."""

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from ..stores.local import partial_path
 from .journal import Journal, resumable_paths
 
+__all__ = ["close_partial", "open_partial"]
+
 
 def open_partial(path: str, dirs: set[str], header: Mapping[str, object] | None) -> tuple[str, int, Journal | None]:
     """On an I/O thread: the hidden partial file a download to ``path`` writes (open, locked; its directory made

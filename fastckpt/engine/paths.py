@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+__all__ = ["local_files", "paths_below", "prune_empty"]
+
 
 def local_files(src: str) -> list[tuple[str, str]]:
     """(path, relative '/'-path) of every file below directory ``src``, sorted.

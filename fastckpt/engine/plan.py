@@ -8,6 +8,8 @@ from ..config import TransferConfig
 from ..stores.base import Store
 from ..stores.concurrency import start_limit
 
+__all__ = ["MAX_RANGE", "MiB", "Plan", "plan_copy", "plan_download", "plan_upload"]
+
 MiB = 1 << 20
 MAX_RANGE = 128 * MiB
 """Longest ranged read of a download."""

@@ -8,6 +8,8 @@ import mmap
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+__all__ = ["SMALLEST", "BufferPool"]
+
 _HUGE = getattr(mmap, "MADV_HUGEPAGE", None)
 """Transparent huge pages for large buffers: a pool's first use faults in 512x fewer pages (256 MiB of buffers:
 0.04 s of system CPU instead of 0.15, measured)."""

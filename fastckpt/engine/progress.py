@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+__all__ = ["Progress", "ProgressCallback"]
+
 ProgressCallback = Callable[[int, int], None]
 
 

@@ -18,6 +18,8 @@ from ..errors import CopyUnsupportedError, ObjectNotFoundError, SourceChangedErr
 from ..integrity import FileDigest
 from ..stores.base import CopySource, MultipartUpload, PartInfo, Store
 
+__all__ = ["NOT_COPIED", "BaseObject", "Reuse", "same_parts"]
+
 log = logging.getLogger("fastckpt")
 NOT_COPIED = (CopyUnsupportedError, SourceChangedError, ObjectNotFoundError)
 """What makes a copy fall back to sending the bytes."""

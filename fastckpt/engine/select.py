@@ -16,6 +16,8 @@ from urllib.parse import unquote
 from ..errors import ObjectNotFoundError, StoreError
 from ..stores.base import Store
 
+__all__ = ["WILDCARDS", "Selection", "glob_match", "has_below", "keys_below", "relative", "split_wildcard"]
+
 WILDCARDS = "*?"
 _OPTIONS = re.compile(r"^[A-Za-z_][\w.-]*=[^&]*(?:&[A-Za-z_][\w.-]*=[^&]*)*$")
 

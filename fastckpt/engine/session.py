@@ -17,6 +17,8 @@ from .progress import Progress, ProgressCallback
 from .reuse import Reuse
 from .sink import RING, SLICE
 
+__all__ = ["FileResult", "TransferSession"]
+
 
 @dataclass(frozen=True)
 class FileResult:

@@ -26,6 +26,8 @@ from ..integrity import ChunkHasher
 from ..threads import io_executor, socket_executor
 from ..transport import ProtocolError, Receiver
 
+__all__ = ["COPY_SLICE", "PIPE", "RING", "SLICE", "STEP", "RingSink", "copy_and_hash", "hash_file_range"]
+
 SLICE = 1 << 20
 """Bytes that land before they are hashed and written."""
 STEP = 256 << 10

@@ -36,6 +36,8 @@ from ..transport import Buffer
 from .plan import plan_download, plan_upload
 from .pool import BufferPool
 
+__all__ = ["DIGEST_KEYS", "StreamReader", "StreamWriter", "copy_object"]
+
 T = TypeVar("T")
 DIGEST_KEYS = frozenset(FileDigest(0, 1, "").metadata())
 """Metadata keys that carry fastckpt digests (never copied from one object to another)."""

@@ -18,6 +18,8 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass
 
+__all__ = ["Known", "LocalVersion", "SyncCache", "local_version"]
+
 LocalVersion = tuple[int, int, int, int]
 
 

@@ -26,6 +26,8 @@ from .reuse import BaseObject, same_parts
 from .session import FileResult, TransferSession
 from .sink import copy_and_hash, hash_file_range
 
+__all__ = ["SNAPSHOT_READS", "SourceChanged", "Uploads"]
+
 log = logging.getLogger("fastckpt")
 SNAPSHOT_READS = 3
 """Reads of a file that keeps being rewritten or cut short before a snapshot upload gives up on it."""

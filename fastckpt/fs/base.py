@@ -38,6 +38,8 @@ from ..tasks import gather_all
 from ..uri import BACKEND_OF_SCHEME, StorageURI, parse_uri, redact
 from .files import InputFile, OutputStream, ReaderHandle, WriterHandle
 
+__all__ = ["FastckptHandler", "StoreWrapper", "location"]
+
 T = TypeVar("T")
 StoreWrapper = Callable[[Store], Store]
 Dir, File, NotFound = pafs.FileType.Directory, pafs.FileType.File, pafs.FileType.NotFound

@@ -27,6 +27,9 @@ from ..config import env_flag
 from .base import FastckptHandler
 from .files import OutputStream
 
+__all__ = ["MAX_THREADS", "copy_files", "handler_of", "install_copy_files_guard", "plan_copy", "pyarrow_copy_files",
+           "unimplied"]
+
 _ORIGINAL: Any = None
 MAX_THREADS = 8
 

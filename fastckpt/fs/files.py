@@ -18,6 +18,8 @@ from ..engine.stream import StreamReader, StreamWriter
 from ..integrity import FileDigest
 from ..transport import Buffer
 
+__all__ = ["InputFile", "OutputStream", "ReaderHandle", "Runner", "WriterHandle"]
+
 T = TypeVar("T")
 Runner = Callable[[Coroutine[Any, Any, T]], T]
 

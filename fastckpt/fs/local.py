@@ -15,6 +15,8 @@ from .base import Dir, FastckptHandler, NotFound, StoreWrapper, _metadata
 from .copy import install_copy_files_guard
 from .files import OutputStream, WriterHandle
 
+__all__ = ["LocalHandler"]
+
 
 class LocalHandler(FastckptHandler):
     """Handler for the local filesystem: paths are absolute paths."""

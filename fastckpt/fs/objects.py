@@ -20,6 +20,8 @@ from .base import Dir, FastckptHandler, File, NotFound, StoreWrapper
 from .copy import install_copy_files_guard
 from .files import OutputStream
 
+__all__ = ["ObjectStoreHandler"]
+
 
 class ObjectStoreHandler(FastckptHandler):
     """Handler for an object store: paths are ``bucket/key``."""

@@ -19,6 +19,8 @@ from ..config import proxy_for
 from ..transport import Body, ProtocolError, Receiver, body_size
 from .connection import ClosedBeforeResponse, Connection, Response
 
+__all__ = ["HttpClient"]
+
 
 def _check_header(text: str) -> str:
     if "\r" in text or "\n" in text:

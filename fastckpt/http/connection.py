@@ -30,6 +30,8 @@ import httptools
 from ..threads import socket_executor
 from ..transport import Body, FileRange, ProtocolError, Receiver, SendfileUnsupported, body_size
 
+__all__ = ["HANDOFF", "MAX_BODY", "SCRATCH", "ClosedBeforeResponse", "Connection", "Response"]
+
 SCRATCH = 64 << 10
 """Bytes received per socket read while no caller's buffer takes them (heads, error bodies)."""
 HANDOFF = 256 << 10

@@ -23,6 +23,9 @@ from ..errors import CopyUnsupportedError, ObjectNotFoundError
 from ..transport import Buffer, BufferReceiver, FileRange, Pieces, Receiver
 from ..uri import StorageURI
 
+__all__ = ["CopySource", "ListPage", "MultipartUpload", "NamedUploadStore", "ObjectMeta", "PartInfo", "PendingUpload",
+           "ReceivingStore", "Store", "in_prefix", "read_range"]
+
 
 @dataclass(frozen=True)
 class ObjectMeta:

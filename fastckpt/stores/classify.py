@@ -19,6 +19,8 @@ from ..errors import (
     TransientStoreError,
 )
 
+__all__ = ["THROTTLE_STATUS", "TRANSIENT_STATUS", "EndpointUnreachableError", "ErrorTable", "classify", "unreachable"]
+
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 THROTTLE_STATUS = frozenset({429, 503})
 """What services answer a client that should send fewer requests at once (S3's SlowDown and GCS's rate limits,

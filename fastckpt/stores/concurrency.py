@@ -25,6 +25,22 @@ import math
 import weakref
 from collections.abc import Hashable
 
+__all__ = [
+    "BACKOFF",
+    "CONNECTION_RATE",
+    "DEFAULT_TARGET",
+    "GROW",
+    "LAN_LATENCY",
+    "LATENCY_FLOOR",
+    "MIN_LIMIT",
+    "NEAR",
+    "SHRINK",
+    "SMALL",
+    "AdaptiveLimit",
+    "endpoint_limit",
+    "start_limit",
+]
+
 BACKOFF = 0.7
 """What a throttled round leaves of the requests in flight."""
 NEAR = 0.9

@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Callable
 
 from ..errors import AlreadyExistsError, ObjectNotFoundError, StoreError
 
+__all__ = ["MODES", "IfAbsentGuard", "probe"]
+
 MODES = ("auto", "trust", "best-effort")
 _HONOURED: dict[tuple[str, str, str], bool] = {}
 """(precondition, endpoint, bucket) -> whether the server honours it, probed once per process."""

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 
 from ..uri import option_text
 
+__all__ = ["OPTIONS", "check_customer_key", "control_query", "hide_in_logs", "key_headers", "read_options"]
+
 OPTIONS = {
     "s3": ("server_side_encryption", "sse_kms_key_id", "sse_kms_encryption_context", "bucket_key_enabled",
            "sse_customer_key", "request_payer", "storage_class", "tagging", "expected_bucket_owner"),

@@ -16,6 +16,8 @@ from ..http import HttpClient, Response
 from ..transport import Body, Receiver, body_size
 from .classify import unreachable
 
+__all__ = ["NO_ANSWER", "DataPath", "counting_trace", "ranged"]
+
 NO_ANSWER = (ConnectionError, asyncio.TimeoutError, TimeoutError, socket.gaierror, ssl.SSLError)
 """What a request that got no answer raises: a refused, reset or broken connection (``ProtocolError`` included), a
 timeout, an unknown host, a TLS failure. Other errors (a receiver's, a full disk's) are not the endpoint's."""

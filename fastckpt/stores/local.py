@@ -28,6 +28,8 @@ from ..transport import Buffer
 from ..uri import StorageURI, check_options
 from .base import CopySource, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix, read_range
 
+__all__ = ["TMP_SUFFIX", "LocalStore", "LocalUpload", "from_uri", "partial_path", "version_of"]
+
 TMP_SUFFIX = ".fastckpt-part"
 _XATTR = "user.fastckpt."
 _VERSION = "fastckpt-version"

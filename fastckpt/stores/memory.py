@@ -18,6 +18,8 @@ from ..transport import Buffer
 from ..uri import StorageURI, check_options
 from .base import CopySource, MultipartUpload, ObjectMeta, PartInfo, PendingUpload, Store, in_prefix
 
+__all__ = ["MemoryStore", "MemoryUpload", "from_uri"]
+
 
 @dataclass
 class _Object:

@@ -41,6 +41,8 @@ from .base import CopySource, ListPage, MultipartUpload, ObjectMeta, PartInfo, P
 from .classify import EndpointUnreachableError
 from .concurrency import AdaptiveLimit, endpoint_limit, start_limit
 
+__all__ = ["UNBOUNDED", "RetryingStore", "backoff", "is_retryable", "retrying", "with_retries", "within_deadline"]
+
 T = TypeVar("T")
 log = logging.getLogger("fastckpt")
 UNBOUNDED = 1 << 16

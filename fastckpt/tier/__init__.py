@@ -8,7 +8,7 @@ drains the queue), ``nearest`` (which copy a restore reads, the newest committed
 
 from .agent import ensure_agent, run_agent
 from .layout import Tier, TierFullError
-from .nearest import held_files, latest_across, nearest_copy, tier_checkpoint, tier_or_group
+from .nearest import held_files, latest_across, nearest_copy, tier_checkpoint
 
 __all__ = ["Tier", "TierFullError", "ensure_agent", "held_files", "latest_across", "nearest_copy", "run_agent",
-           "tier_checkpoint", "tier_or_group"]
+           "tier_checkpoint"]

@@ -33,6 +33,9 @@ from .drain import drain
 from .handoff import Held, drop_stale_temporaries, finish, handoffs, take_orphan
 from .layout import QueueEntry, Tier
 
+__all__ = ["COMMIT_POLL_S", "COMMIT_WAIT_S", "DRAINED", "DRAINS", "IDLE_S", "POLL_S", "RETRY_S", "agent_pid",
+           "agent_running", "ensure_agent", "oldest_queued_s", "resume_drains", "run_agent"]
+
 log = logging.getLogger("fastckpt")
 
 IDLE_S = 60.0

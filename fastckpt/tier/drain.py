@@ -37,6 +37,8 @@ from ..stores.base import Store
 from ..uri import StorageURI, join_key, parse_uri
 from .layout import QueueEntry, TierStore
 
+__all__ = ["commit_if_complete", "drain", "read_copy"]
+
 log = logging.getLogger("fastckpt")
 
 

@@ -35,6 +35,9 @@ from ..threads import off_loop
 from ..uri import StorageURI, parse_uri
 from .layout import NO_DRAIN, Drain, Tier, TierStore, names_rank, record_name
 
+__all__ = ["Handoff", "Held", "StagedFile", "drop_stale_temporaries", "finish", "hand_off", "handed", "handoff_dir",
+           "handoffs", "hashed_entry", "part_size", "take_orphan"]
+
 
 def part_size(size: int, config: TransferConfig) -> int:
     """The part size a tier file of ``size`` bytes is hashed in (the one its drain uploads in)."""

@@ -36,6 +36,19 @@ from ..stores.local import LocalStore
 from ..uri import StorageURI, parse_uri
 from .spare import retire, spare_files
 
+__all__ = [
+    "KEEP",
+    "NO_DRAIN",
+    "Drain",
+    "QueueEntry",
+    "Tier",
+    "TierFullError",
+    "TierStore",
+    "checkpoint_id",
+    "names_rank",
+    "record_name",
+]
+
 KEEP = 1
 """Committed copies a tier keeps by default (older ones are dropped once drained, their files recycled)."""
 

@@ -21,6 +21,8 @@ from ..uri import StorageURI, parse_uri
 from .agent import resume_drains
 from .layout import Tier, TierStore
 
+__all__ = ["held_files", "latest_across", "nearest_copy", "tier_checkpoint", "tier_or_group"]
+
 
 async def _marker(store: Store, key: str) -> tuple[bytes, CommitMarker] | None:
     with contextlib.suppress(ObjectNotFoundError, CheckpointError):

@@ -27,6 +27,8 @@ from .agent import ensure_agent
 from .handoff import handed
 from .layout import NO_DRAIN, Drain, Tier, TierStore
 
+__all__ = ["POLL_S", "commit_in_tier", "known_attempt", "save_to_tier", "supersede", "wait_durable"]
+
 log = logging.getLogger("fastckpt")
 
 POLL_S = (0.02, 0.25)

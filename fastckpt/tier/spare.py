@@ -14,6 +14,8 @@ import os
 import secrets
 import shutil
 
+__all__ = ["TMP_SUFFIX", "claim", "fits", "prepare", "retire", "spare_dir", "spare_files"]
+
 TMP_SUFFIX = ".fastckpt-part"
 """The local store's suffix of partial files (so ``gc`` and listings treat a staged file as one)."""
 

@@ -32,6 +32,21 @@ from ..errors import CheckpointError
 from ..integrity import FileDigest
 from .dcp_location import StoredItem
 
+__all__ = [
+    "INDEX",
+    "INDEX_FORMAT",
+    "Buffer",
+    "Encoded",
+    "decode_bytes",
+    "decode_index",
+    "decode_tensor",
+    "encode",
+    "encode_index",
+    "exact",
+    "load_metadata",
+    "stored_items",
+]
+
 INDEX = ".metadata.fastckpt"
 """fastckpt's index beside DCP's ``.metadata``: where each tensor's raw bytes lie inside its stored blob."""
 INDEX_FORMAT = "fastckpt.dcp-index/1"

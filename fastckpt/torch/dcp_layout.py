@@ -12,6 +12,8 @@ from ..engine.layout import Layout
 from .format import SMALL
 from .staging import byte_view
 
+__all__ = ["Span", "rank_file", "rank_files"]
+
 
 def rank_files(rank: int, sizes: list[int], split: bool, single: bool = True) -> list[tuple[str, list[int]]]:
     """The files rank ``rank`` writes, each with the indexes of the items it holds (in plan order, which is the same

@@ -20,6 +20,8 @@ from ..stores.base import Store
 from ..stores.controls import OPTIONS as CONTROLS
 from ..uri import StorageURI, option_text, parse_uri, with_options
 
+__all__ = ["METADATA", "StoredItem", "storage_query"]
+
 METADATA = ".metadata"
 
 

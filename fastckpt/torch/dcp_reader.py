@@ -37,13 +37,16 @@ from ..integrity import FileDigest
 from ..stores.base import Store
 from ..tasks import gather_all
 from ..threads import off_loop
-from ..tier import Tier, held_files, tier_checkpoint, tier_or_group
+from ..tier import Tier, held_files, tier_checkpoint
 from ..tier.layout import TierStore
+from ..tier.nearest import tier_or_group
 from ..uri import StorageURI
 from .dcp_format import INDEX, decode_bytes, decode_index, decode_tensor, load_metadata, stored_items
 from .dcp_layout import Span
 from .dcp_location import METADATA, StoredItem, _done, _Location, _run, storage_query
 from .group_dcp import GroupRead
+
+__all__ = ["GROUP_BYTES", "SPANS_AHEAD", "Reader"]
 
 GROUP_BYTES = 128 << 20
 """Largest span of one file read in one go on load (ranges closer than a chunk are read together)."""

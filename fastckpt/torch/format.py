@@ -23,6 +23,26 @@ import torch
 
 from ..errors import CheckpointError
 
+__all__ = [
+    "BY_NAME",
+    "DTYPES",
+    "MAX_HEADER",
+    "SMALL",
+    "STATE_AT",
+    "STATE_KEY",
+    "STATE_TENSOR",
+    "Header",
+    "TensorEntry",
+    "build_header",
+    "flatten",
+    "header_length",
+    "parse_header",
+    "split_large",
+    "state_of",
+    "unflatten",
+    "with_state",
+]
+
 STATE_KEY = "fastckpt.state"
 """Header metadata of files that hold the skeleton in their header (written before fastckpt 0.x kept it apart)."""
 STATE_AT = "fastckpt.state_tensor"

@@ -32,6 +32,8 @@ from ..integrity import ChunkHasher
 from ..stores.base import Store
 from ..tasks import gather_all
 
+__all__ = ["BATCH", "SEGMENT", "Filling", "GroupRead", "Segment", "Span", "batches", "segments"]
+
 SEGMENT = 64 << 20
 """Longest segment: a range shared by several ranks is fetched by several of them, this much each at most."""
 BATCH = 128 << 20

@@ -30,6 +30,8 @@ from ..uri import StorageURI
 from .format import Header, flatten, parse_header, state_of
 from .load import StoredFile, Target, check_given, destinations, file_layout, header_bytes, load_file, state_files
 
+__all__ = ["Range", "load_in_group", "load_shared_file", "ranges"]
+
 Range = tuple[int, int, int]
 """(start, end, owner rank) of a part of one file."""
 

@@ -21,12 +21,16 @@ from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError
 from ..integrity import FileDigest
 from ..stores.base import Store
 from ..threads import off_loop
-from ..tier import Tier, nearest_copy, tier_or_group
+from ..tier import Tier, nearest_copy
 from ..tier.layout import TierStore
+from ..tier.nearest import tier_or_group
 from ..uri import StorageURI, parse_uri
 from .format import Header, TensorEntry, flatten, header_length, parse_header, state_of
 from .save import rank_file
 from .staging import Staging, byte_view, synchronize
+
+__all__ = ["HEAD_READ", "StoredFile", "Target", "check_given", "destinations", "file_layout", "header_bytes", "load",
+           "load_async", "load_file", "rank_entry", "state_files"]
 
 log = logging.getLogger("fastckpt")
 

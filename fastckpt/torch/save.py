@@ -32,6 +32,8 @@ from .staging import Staging, byte_view, default_staging, distributed_defaults
 from .tier_peers import replica_group, replicate
 from .tier_staging import commit_staged, prepare_spares, stage_in_tier
 
+__all__ = ["SaveHandle", "as_tier", "async_save", "rank_file", "rank_files", "save"]
+
 log = logging.getLogger("fastckpt")
 
 

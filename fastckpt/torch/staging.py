@@ -16,6 +16,8 @@ from ..checkpoint.barrier import Barrier
 from ..deprecation import warn
 from .format import Header
 
+__all__ = ["Staging", "byte_view", "copy_tensors", "default_staging", "distributed_defaults", "synchronize"]
+
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of contiguous CPU ``tensor`` (no copy)."""

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..checkpoint.barrier import Barrier
 from ..checkpoint.barrier_torch import TorchBarrier, gloo_group
 from ..checkpoint.manifest import CommitMarker, RankManifest, digest_of, marker_key, meta_prefix, rank_key
-from ..config import env_seconds
+from ..config import env_count, env_seconds
 from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError
 from ..fileio import write_whole
 from ..integrity import hash_chunks
@@ -30,6 +30,8 @@ from ..tier import Tier, TierFullError, held_files
 from ..tier.spare import claim
 from ..uri import StorageURI, parse_uri
 from .tier_staging import mapped
+
+__all__ = ["REPLICA_GRACE_S", "TIMEOUT", "held_ranks", "ranks_per_node", "replica_group", "replicate", "restore_tier"]
 
 log = logging.getLogger("fastckpt")
 
@@ -42,7 +44,7 @@ checkpoint committed, one read, or the other node lost and drains the replica)."
 
 def ranks_per_node() -> int:
     """Ranks on each node (``LOCAL_WORLD_SIZE``, as torchrun sets it; 1 when unset)."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return env_count("LOCAL_WORLD_SIZE", 1)
 
 
 def replica_group(barrier: Barrier | None) -> Any:

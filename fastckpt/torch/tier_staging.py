@@ -32,6 +32,8 @@ from ..uri import StorageURI
 from .format import Header
 from .staging import byte_view, copy_tensors, synchronize
 
+__all__ = ["Staged", "commit_staged", "discard", "mapped", "prepare_spares", "stage_in_tier", "write_in_tier"]
+
 log = logging.getLogger("fastckpt")
 
 _maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}

@@ -29,6 +29,17 @@ from ..datapath import DataPath, counting_trace
 from .errors import AzureErrors
 from .options import AzureOptions
 
+__all__ = [
+    "MAX_PUT_BLOB",
+    "AzureClient",
+    "MiB",
+    "decode_metadata",
+    "decode_metadata_key",
+    "encode_metadata",
+    "encode_metadata_key",
+    "shared_key_signer",
+]
+
 MiB = 1 << 20
 MAX_PUT_BLOB = 5000 * MiB
 

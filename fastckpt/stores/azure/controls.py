@@ -17,6 +17,8 @@ from typing import ClassVar
 
 from ..controls import OPTIONS, check_customer_key, control_query, key_headers, read_options
 
+__all__ = ["TIERS", "AzureControls"]
+
 TIERS = ("Hot", "Cool", "Cold", "Archive")
 
 

@@ -19,6 +19,8 @@ from ..classify import ErrorTable, classify, unreachable
 from ..datapath import DataPath
 from .options import AzureOptions
 
+__all__ = ["ERRORS", "AzureErrors"]
+
 ERRORS = ErrorTable(
     "azure",
     bucket_missing=frozenset({"ContainerNotFound"}),

@@ -24,6 +24,8 @@ from ...errors import AccessDeniedError
 from ...uri import StorageURI, check_options, parse_flag
 from .controls import AzureControls
 
+__all__ = ["EMULATOR_ACCOUNT", "EMULATOR_KEY", "AzureOptions", "parse_connection_string", "resolve_endpoint"]
+
 EMULATOR_ACCOUNT = "devstoreaccount1"
 # Azurite's and the storage emulator's published well-known key (public; used only for devstoreaccount1).
 EMULATOR_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="

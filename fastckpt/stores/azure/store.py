@@ -23,6 +23,8 @@ from .client import AzureClient, decode_metadata, encode_metadata
 from .options import AzureOptions
 from .upload import MAX_BLOCKS, AzureUpload
 
+__all__ = ["AzureStore", "MiB"]
+
 MiB = 1 << 20
 
 

@@ -13,6 +13,8 @@ from ...transport import Buffer
 from ..base import CopySource, MultipartUpload, PartInfo
 from .client import encode_metadata
 
+__all__ = ["MAX_BLOCKS", "AzureUpload"]
+
 if TYPE_CHECKING:
     from .store import AzureStore
 

@@ -29,6 +29,8 @@ from ..classify import ErrorTable, classify, unreachable
 from ..datapath import DataPath, counting_trace
 from .options import GCSOptions
 
+__all__ = ["CONTENT_TYPE", "ERRORS", "SCOPES", "GCSClient", "HTTPStatus", "crc32c", "server_message"]
+
 T = TypeVar("T")
 SCOPES = ["https://www.googleapis.com/auth/devstorage.read_write"]
 CONTENT_TYPE = "application/octet-stream"

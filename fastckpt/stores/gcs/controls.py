@@ -16,6 +16,8 @@ from typing import ClassVar
 
 from ..controls import OPTIONS, check_customer_key, control_query, key_headers, read_options
 
+__all__ = ["GCSControls"]
+
 
 @dataclass(frozen=True)
 class GCSControls:

@@ -12,6 +12,8 @@ from typing import ClassVar
 from ...uri import StorageURI, check_options
 from .controls import GCSControls
 
+__all__ = ["DEFAULT_ENDPOINT", "GCSOptions"]
+
 DEFAULT_ENDPOINT = "https://storage.googleapis.com"
 
 

@@ -20,6 +20,8 @@ from .client import GCSClient
 from .options import DEFAULT_ENDPOINT, GCSOptions
 from .upload import PARALLEL, PART_RE, PARTS_DIR, GCSUpload, parts_prefix
 
+__all__ = ["GCSStore"]
+
 log = logging.getLogger("fastckpt")
 
 

@@ -14,6 +14,8 @@ from ...tasks import gather_bounded
 from ...transport import Buffer
 from ..base import MultipartUpload, PartInfo
 
+__all__ = ["COMPOSE_LIMIT", "PARALLEL", "PARTS_DIR", "PART_RE", "GCSUpload", "parts_prefix"]
+
 if TYPE_CHECKING:
     from .store import GCSStore
 

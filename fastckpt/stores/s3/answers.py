@@ -15,6 +15,9 @@ from xml.sax.saxutils import escape
 from ...errors import StoreError
 from ..base import ListPage, ObjectMeta, PartInfo
 
+__all__ = ["XMLNS", "answer_fields", "complete_body", "continuation", "delete_body", "delete_failures", "fields",
+           "listing", "meta_of", "metadata_headers", "timestamp"]
+
 XMLNS = "http://s3.amazonaws.com/doc/2006-03-01/"
 
 

@@ -29,6 +29,8 @@ from .errors import S3Errors, request_failure
 from .options import S3Options, env_credentials
 from .sigv4 import UNSIGNED_PAYLOAD, S3Signer
 
+__all__ = ["S3Client"]
+
 if TYPE_CHECKING:
     from aiobotocore.session import AioSession
 

@@ -22,6 +22,8 @@ from urllib.parse import parse_qsl
 from ...config import parse_bool
 from ..controls import OPTIONS, check_customer_key, control_query, key_headers, read_options
 
+__all__ = ["COPIES", "ENCRYPTIONS", "OF_OBJECT", "WRITES", "S3Controls", "encryption_context", "operation_of"]
+
 ENCRYPTIONS = ("AES256", "aws:kms", "aws:kms:dsse")
 WRITES = frozenset({"PutObject", "CreateMultipartUpload", "CopyObject"})
 """Operations that create an object: they name its encryption, storage class and tags."""

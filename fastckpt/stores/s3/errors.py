@@ -13,6 +13,8 @@ from ..classify import ErrorTable, classify, unreachable
 from ..datapath import NO_ANSWER, DataPath
 from .options import S3Options
 
+__all__ = ["ERRORS", "LAZY_IMPORTS", "NO_CONDITIONAL", "NoSuchUpload", "S3Errors", "request_failure"]
+
 ERRORS = ErrorTable(
     "s3",
     bucket_missing=frozenset({"NoSuchBucket"}),

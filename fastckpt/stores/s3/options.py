@@ -14,6 +14,8 @@ from ...uri import StorageURI, check_options
 from .controls import S3Controls
 from .sigv4 import StaticCredentials
 
+__all__ = ["S3Options", "env_credentials", "resolve_endpoint"]
+
 
 @dataclass(frozen=True)
 class S3Options:

@@ -20,6 +20,8 @@ from ..base import ObjectMeta, Store
 from .answers import meta_of
 from .client import S3Client
 
+__all__ = ["RECORD_DIR", "RECORD_ETAG", "RECORD_MARK", "DigestRecords", "record_of"]
+
 log = logging.getLogger("fastckpt")
 RECORD_DIR = ".fastckpt-meta"
 RECORD_MARK = "fastckpt-record"

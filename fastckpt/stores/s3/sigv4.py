@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Protocol
 
+__all__ = ["UNSIGNED_PAYLOAD", "Credentials", "S3Signer", "StaticCredentials"]
+
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
 _UNSIGNED_HEADERS = frozenset({
     "baggage", "connection", "expect", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",

@@ -33,6 +33,8 @@ from .options import S3Options
 from .records import RECORD_MARK, DigestRecords, record_of
 from .upload import S3Upload
 
+__all__ = ["DELETE_BATCH", "DELETE_BATCHES", "POOL_HEADROOM", "MiB", "S3Store"]
+
 MiB = 1 << 20
 DELETE_BATCH = 1000
 DELETE_BATCHES = 16

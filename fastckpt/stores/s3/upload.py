@@ -10,6 +10,8 @@ from ..base import CopySource, MultipartUpload, PartInfo
 from .answers import answer_fields, complete_body
 from .errors import NoSuchUpload
 
+__all__ = ["S3Upload"]
+
 if TYPE_CHECKING:
     from .store import S3Store
 
