@@ -13,9 +13,9 @@ A policy keeps the union of what its rules keep, and always the newest committed
 - ``grace``: a checkpoint that was the newest less than ``grace`` seconds ago, which a ``latest()`` caller may be
   reading still.
 
-Every copy a checkpoint holds is its own: an incremental save's unchanged bytes are copied by the store (or, on a
-local directory, linked to the same inode), never referenced in its base, so removing a base leaves its children
-whole.
+Every copy a checkpoint holds is its own: an incremental save's unchanged bytes are copied by the store (or, on a local
+directory, `copy_file_range`: a reflink where the filesystem has them), never referenced in its base, so removing a base
+leaves its children whole.
 """
 
 from __future__ import annotations

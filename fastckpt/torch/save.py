@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -58,16 +59,14 @@ class SaveHandle:
     """An ``async_save`` in flight: ``wait()`` returns its commit result or raises what failed it."""
 
     def __init__(self, future: concurrent.futures.Future[CommitResult], blocked_s: float,
-                 tier: tuple[Tier, str, int] | None = None,
-                 handed: concurrent.futures.Future[CommitResult] | None = None) -> None:
+                 tier: tuple[Tier, str, int] | None = None) -> None:
         self._future = future
         self._tier = tier
-        self._handed = handed
         self.blocked_s = blocked_s
         """Seconds the caller was blocked (staging the tensors)."""
 
     def done(self) -> bool:
-        """Whether the save has finished (committed or failed)."""
+        """Whether the save has finished: committed (or, into a tier, handed to its agent) or failed."""
         return self._future.done()
 
     def wait(self, timeout: float | None = None, *, durable: bool = False) -> CommitResult:
@@ -79,27 +78,45 @@ class SaveHandle:
         ``durable=True`` waits on until the agents committed it at the durable URI (CheckpointError when they gave
         up, with why), ``timeout`` covering both."""
         started = time.monotonic()
-        result = self._safe(timeout)
+        result = self._future.result(timeout)
         if not durable or self._tier is None:
             return result
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
         tier, uri, rank = self._tier
         return BackgroundLoop.get().run(wait_durable(tier, parse_uri(uri), result, rank, left))
 
-    def _safe(self, timeout: float | None) -> CommitResult:
-        """The commit's result; for a save handed to the node agent, the hand-off's once there and the commit not."""
-        if self._handed is None:
-            return self._future.result(timeout)
-        concurrent.futures.wait([self._handed, self._future], timeout, concurrent.futures.FIRST_COMPLETED)
-        if self._future.done() and (self._future.exception() is None or not self._handed.done()):
-            return self._future.result()
-        if self._handed.done():
-            return self._handed.result()
-        raise TimeoutError(f"the save is not safe in its tier within {timeout} s")
-
     def exception(self) -> BaseException | None:
-        """The save's exception once it is done (None when it committed); waits for it to finish."""
+        """The save's exception once it is done (None when it is safe); waits for it to finish."""
         return self._future.exception()
+
+
+def _first_safe(safe: concurrent.futures.Future[CommitResult], result: CommitResult | None = None,
+                exc: BaseException | None = None) -> None:
+    """Settle ``safe`` with what made the save safe first (the hand-off, or the commit); a commit that fails after
+    the hand-off is left to the agent, and logged."""
+    if safe.done():
+        if exc is not None:
+            log.warning("the commit in the tier failed after the hand-off; the node agent finishes the save: %s", exc)
+        return
+    if exc is not None:
+        safe.set_exception(exc)
+    else:
+        assert result is not None
+        safe.set_result(result)
+
+
+def _settled_by(safe: concurrent.futures.Future[CommitResult]) -> Callable[[concurrent.futures.Future[CommitResult]],
+                                                                            None]:
+    """A done-callback for the commit's future that settles ``safe`` (``_first_safe``)."""
+    def done(commit: concurrent.futures.Future[CommitResult]) -> None:
+        if commit.cancelled():
+            _first_safe(safe, exc=concurrent.futures.CancelledError())
+        elif commit.exception() is not None:
+            _first_safe(safe, exc=commit.exception())
+        else:
+            _first_safe(safe, commit.result())
+
+    return done
 
 
 def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int | None = None, group: Any = None,
@@ -124,15 +141,13 @@ def save(state_dict: Any, uri: str, *, rank: int | None = None, world_size: int 
     it does not keep (with ``tier``: the agent, once committed at ``uri``).
     """
     rank, world_size, barrier = distributed_defaults(rank, world_size, barrier, group)
+    place = _place(uri, rank, world_size, barrier, attempt, config, store, base, tier, overwrite, metrics, retention)
     skeleton, tensors = flatten(state_dict)
     if tier is not None or any(t.device.type != "cpu" for t in tensors.values()):
-        handle = async_save(state_dict, uri, rank=rank, world_size=world_size, barrier=barrier, attempt=attempt,
-                            config=config, store=store, staging=None if tier else Staging(), base=base,
-                            tier=tier, replicas=replicas, overwrite=overwrite, metrics=metrics, retention=retention)
-        return handle._future.result()  # committed (in the tier): not just handed to the agent
+        # committed (in the tier) when this returns: not just handed to the agent
+        return _start(state_dict, place, None if tier else Staging(), "wait", replicas, hand_off=False).wait()
     files = [(name, Layout([header.raw] + [byte_view(tensors[n].detach().contiguous()) for n in header.tensors]))
              for name, header in rank_files(rank, skeleton, tensors, base is not None)]
-    place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, None, overwrite, metrics, retention)
     return BackgroundLoop.get().run(_commit(files, place))
 
 
@@ -165,34 +180,51 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
     ``retention``: as for ``save``.
     """
     rank, world_size, barrier = distributed_defaults(rank, world_size, barrier, group)
+    place = _place(uri, rank, world_size, barrier, attempt, config, store, base, tier, overwrite, metrics, retention)
+    return _start(state_dict, place, staging, if_busy, replicas, hand_off=True)
+
+
+def _place(uri: str, rank: int, world_size: int, barrier: Barrier | None, attempt: str | None,
+           config: TransferConfig | None, store: Store | None, base: str | None,
+           tier: str | os.PathLike[str] | Tier | None, overwrite: bool, metrics: Mapping[str, float] | None,
+           retention: Retention | None) -> _Place:
+    """Where and how a save commits; ValueError for what cannot go together."""
     if overwrite and tier is not None:
         raise ValueError("overwrite=True goes without tier= (a tier save commits each step to a URI of its own)")
-    place = _Place(uri, rank, world_size, barrier, attempt, config, store, base, as_tier(tier, store), overwrite,
-                   metrics, retention)
+    return _Place(uri, rank, world_size, barrier, attempt, config, store, base, as_tier(tier, store), overwrite,
+                  metrics, retention)
+
+
+def _start(state_dict: Any, place: _Place, staging: Staging | None, if_busy: Literal["wait", "error"],
+           replicas: int, hand_off: bool) -> SaveHandle:
+    """Stage ``state_dict`` and start its commit in the background (``async_save``); ``hand_off``: a tier save is
+    safe once handed to the node agent, before its commit in the tier (else only once committed there)."""
     after = _replicas(place, replicas)
     started = time.perf_counter()
     skeleton, tensors = flatten(state_dict)
-    headers = rank_files(rank, skeleton, tensors, base is not None)
+    headers = rank_files(place.rank, skeleton, tensors, place.base is not None)
     spares: list[tuple[str, int]] = []
     if place.tier is not None and all(t.device.type == "cpu" for t in tensors.values()):
-        target = parse_uri(uri)
+        target = parse_uri(place.uri)
         supersede(place.tier, target)
         staged = stage_in_tier(place.tier, place.tier.copy_of(target), headers, tensors)
         if staged is not None:
-            handed: concurrent.futures.Future[CommitResult] = concurrent.futures.Future()
-            coro = commit_staged(place.tier, target, staged, rank, world_size, barrier, attempt,
-                                 config or TransferConfig.from_env(), after, None if after else handed.set_result,
-                                 Drain(base, retention), metrics)
-            future = asyncio.run_coroutine_threadsafe(coro, BackgroundLoop.get().loop)
-            return SaveHandle(future, time.perf_counter() - started, (place.tier, uri, rank), handed)
+            safe: concurrent.futures.Future[CommitResult] = concurrent.futures.Future()
+            handed = functools.partial(_first_safe, safe) if hand_off and after is None else None
+            coro = commit_staged(place.tier, target, staged, place.rank, place.world_size, place.barrier,
+                                 place.attempt, place.config or TransferConfig.from_env(), after, handed,
+                                 Drain(place.base, place.retention), place.metrics)
+            asyncio.run_coroutine_threadsafe(coro, BackgroundLoop.get().loop).add_done_callback(_settled_by(safe))
+            return SaveHandle(safe, time.perf_counter() - started, (place.tier, place.uri, place.rank))
         spares = [(name, h.size) for name, h in headers]
-    staging = staging or default_staging(rank)
+    staging = staging or default_staging(place.rank)
     with staging.claim(if_busy):
         data = staging.stage([h for _, h in headers], tensors)
         files = [(name, Layout([h.raw, d])) for (name, h), d in zip(headers, data, strict=True)]
         future = asyncio.run_coroutine_threadsafe(_commit(files, place, spares, after), BackgroundLoop.get().loop)
         staging.track(future)
-    return SaveHandle(future, time.perf_counter() - started, None if place.tier is None else (place.tier, uri, rank))
+    return SaveHandle(future, time.perf_counter() - started,
+                      None if place.tier is None else (place.tier, place.uri, place.rank))
 
 
 _readying: set[asyncio.Task[None]] = set()
