@@ -1,6 +1,8 @@
 """Collectives over a ``torch.distributed`` process group as fastckpt's group-wide reads use them: on the group's
 gloo twin, on a worker thread (the event loop keeps running), a broken group raised as a CheckpointError, and the
-first rank's failure raised on every rank."""
+first rank's failure raised on every rank; and the one way bytes move between ranks (``send_span``, ``recv_span``,
+``broadcast_span``: ``CHUNK`` bytes at a time through one buffer), which every group read (``group_download``,
+``torch.group_load``, ``torch.dcp.group_read``) uses."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from ..errors import CheckpointError
 from ..stores.base import Store
 from .barrier_torch import gloo_group
 
-__all__ = ["CHUNK", "STORE_LEARNED", "GroupCall", "chunk_buffer"]
+__all__ = ["CHUNK", "STORE_LEARNED", "Buffer", "GroupCall", "Piece", "broadcast_span", "chunk_buffer", "recv_span",
+           "send_span"]
 
 T = TypeVar("T")
 CHUNK = 16 << 20
@@ -25,10 +28,48 @@ STORE_LEARNED = "store learned"
 """The key of a shared plan under which rank 0's store tells what it learned of its location."""
 
 
-def chunk_buffer() -> tuple[memoryview, torch.Tensor]:
-    """One ``CHUNK``-byte buffer, as a view to read and write and as the tensor the collectives send and receive."""
+Buffer = tuple[memoryview, torch.Tensor]
+"""One ``CHUNK``-byte buffer, as a view to read and write and as the tensor the collectives send and receive."""
+Piece = Callable[[int, memoryview], None]
+"""What fills (or takes) the bytes at an offset: the view is as long as the piece."""
+
+
+def chunk_buffer() -> Buffer:
+    """A fresh ``Buffer``."""
     buf = bytearray(CHUNK)
     return memoryview(buf), torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def send_span(call: GroupCall, peer: int, start: int, length: int, fill: Piece, buffer: Buffer) -> None:
+    """Send the ``length`` bytes at ``start`` to group rank ``peer``, each piece filled by ``fill(offset, view)``."""
+    view, tensor = buffer
+    for pos in range(0, length, CHUNK):
+        piece = view[:min(CHUNK, length - pos)]
+        fill(start + pos, piece)
+        dist.send(tensor[:len(piece)], dst=call.global_rank(peer), group=call.gloo)
+
+
+def recv_span(call: GroupCall, owner: int, start: int, length: int, take: Piece, buffer: Buffer) -> None:
+    """Receive the ``length`` bytes at ``start`` from group rank ``owner``, each piece handed to ``take(offset,
+    view)``."""
+    view, tensor = buffer
+    for pos in range(0, length, CHUNK):
+        piece = view[:min(CHUNK, length - pos)]
+        dist.recv(tensor[:len(piece)], src=call.global_rank(owner), group=call.gloo)
+        take(start + pos, piece)
+
+
+def broadcast_span(call: GroupCall, owner: int, length: int, fill: Piece, take: Piece, buffer: Buffer) -> None:
+    """``length`` bytes from group rank ``owner`` to every other rank: ``fill(offset, view)`` on the owner before each
+    piece goes, ``take(offset, view)`` on the others once it came."""
+    view, tensor = buffer
+    for offset in range(0, length, CHUNK):
+        piece = view[:min(CHUNK, length - offset)]
+        if call.rank == owner:
+            fill(offset, piece)
+        dist.broadcast(tensor[:len(piece)], src=call.global_rank(owner), group=call.gloo)
+        if call.rank != owner:
+            take(offset, piece)
 
 
 class GroupCall:

@@ -13,9 +13,8 @@ from __future__ import annotations
 import contextlib
 import heapq
 import os
+from dataclasses import dataclass
 from typing import Any
-
-import torch.distributed as dist
 
 from ..config import TransferConfig
 from ..engine.partial import open_partial
@@ -28,7 +27,7 @@ from ..fileio import read_exact, write_at
 from ..integrity import ChunkHasher, FileDigest, combine
 from ..stores.base import Store
 from ..uri import StorageURI
-from .group import CHUNK, GroupCall, chunk_buffer
+from .group import CHUNK, GroupCall, broadcast_span, chunk_buffer
 from .reader import corrupt_error, load
 
 __all__ = ["Planned", "download_in_group"]
@@ -99,52 +98,69 @@ def _exchange(call: GroupCall, files: list[Planned], paths: dict[str, str], fsyn
     what this rank received, or what went wrong here. A rank whose file fails it goes on taking part in every
     broadcast (an owner sending what its buffer holds, a receiver no longer writing), so no collective falls out of
     step; the caller's ``agree`` then fails every rank."""
-    view, tensor = chunk_buffer()
+    buffer = chunk_buffer()
     dirs: set[str] = set()
     received: dict[str, list[bytes]] = {}
     error: str | None = None
     for name, size, chunk, digest, owner in files:
-        path, mine = paths[name], owner == call.rank
-        fd, tmp, hasher = -1, "", ChunkHasher(chunk or CHUNK)
+        end = _End(name, ChunkHasher(chunk or CHUNK))
+        tmp = ""
         try:
-            if mine:
-                fd = os.open(path, os.O_RDONLY)
+            if owner == call.rank:
+                end.fd = os.open(paths[name], os.O_RDONLY)
             else:
-                tmp, fd, _ = open_partial(path, dirs, None)
+                tmp, end.fd, _ = open_partial(paths[name], dirs, None)
         except OSError as exc:
-            error = error or f"{name}: {exc}"
+            end.fail(exc)
         try:
-            for offset in range(0, size, CHUNK):
-                piece = view[:min(CHUNK, size - offset)]
-                try:
-                    if mine and fd >= 0:
-                        read_exact(fd, offset, piece)
-                except (OSError, EOFError) as exc:
-                    fd, error = _close(fd), error or f"{name}: {exc}"
-                dist.broadcast(tensor[:len(piece)], src=call.global_rank(owner), group=call.gloo)
-                try:
-                    if not mine and fd >= 0:
-                        write_at(fd, offset, piece)
-                        hasher.update(piece)
-                except OSError as exc:
-                    fd, error = _close(fd), error or f"{name}: {exc}"
-            if not mine and fd >= 0:
-                got = hasher.finish()
+            broadcast_span(call, owner, size, end.fill, end.take, buffer)
+            if owner != call.rank and end.fd >= 0:
+                got = end.hasher.finish()
                 if digest and combine(got) != digest:
                     raise IntegrityError(f"digest mismatch after it came from rank {owner}")
                 if fsync:
-                    os.fsync(fd)
-                fd = _close(fd)
-                os.replace(tmp, path)
+                    os.fsync(end.fd)
+                end.fd = _close(end.fd)
+                os.replace(tmp, paths[name])
                 received[name] = got
         except OSError as exc:
-            error = error or f"{name}: {exc}"
+            end.fail(exc)
         finally:
-            _close(fd)
+            _close(end.fd)
             if tmp and name not in received:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
+        error = error or end.error
     return error if error is not None else received
+
+
+@dataclass
+class _End:
+    """This rank's end of one file's broadcast: the file it reads (its owner) or writes (the others), the digests of
+    what it wrote, and what went wrong (from then on it only takes part, so that the ranks stay in step)."""
+
+    name: str
+    hasher: ChunkHasher
+    fd: int = -1
+    error: str | None = None
+
+    def fill(self, offset: int, piece: memoryview) -> None:
+        if self.fd >= 0:
+            try:
+                read_exact(self.fd, offset, piece)
+            except (OSError, EOFError) as exc:
+                self.fail(exc)
+
+    def take(self, offset: int, piece: memoryview) -> None:
+        if self.fd >= 0:
+            try:
+                write_at(self.fd, offset, piece)
+                self.hasher.update(piece)
+            except OSError as exc:
+                self.fail(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        self.fd, self.error = _close(self.fd), self.error or f"{self.name}: {exc}"
 
 
 def _close(fd: int) -> int:

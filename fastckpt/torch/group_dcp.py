@@ -21,10 +21,8 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
-
 from .._loop import BackgroundLoop
-from ..checkpoint.group import CHUNK, GroupCall, chunk_buffer
+from ..checkpoint.group import GroupCall, chunk_buffer, recv_span, send_span
 from ..engine.layout import Layout, read_layout
 from ..engine.transfer import Transfer
 from ..errors import CheckpointError, IntegrityError
@@ -192,7 +190,7 @@ class GroupRead:
         same order on every rank, ``CHUNK`` bytes at a time; received segments are checked and placed in this
         rank's spans. What went wrong here, if anything (the exchange goes on, so that the ranks stay in step)."""
         rank, error = self.call.rank, None
-        view, tensor = chunk_buffer()
+        buffer = chunk_buffer()
         for seg in batch:
             if len(seg.needers) < 2 or rank not in seg.needers:
                 continue
@@ -200,17 +198,16 @@ class GroupRead:
             offset, length = first.at(seg), seg.end - seg.start
             if rank == seg.owner:  # the segment is in its span: a failed fetch was agreed on before the exchange
                 for peer in seg.needers:
-                    for pos in range(0, length, CHUNK) if peer != rank else ():
-                        piece = view[:min(CHUNK, length - pos)]
-                        first.layout.gather(offset + pos, piece)
-                        dist.send(tensor[:len(piece)], dst=self.call.global_rank(peer), group=self.call.gloo)
+                    if peer != rank:
+                        send_span(self.call, peer, offset, length, first.layout.gather, buffer)
                 continue
             hasher = ChunkHasher(self.sizes[seg.name])
-            for pos in range(0, length, CHUNK):
-                piece = view[:min(CHUNK, length - pos)]
-                dist.recv(tensor[:len(piece)], src=self.call.global_rank(seg.owner), group=self.call.gloo)
-                first.layout.scatter(offset + pos, piece)
+
+            def take(at: int, piece: memoryview, layout: Layout = first.layout, hasher: ChunkHasher = hasher) -> None:
+                layout.scatter(at, piece)
                 hasher.update(piece)
+
+            recv_span(self.call, seg.owner, offset, length, take, buffer)
             try:
                 self.check(seg, [d.hex() for d in hasher.finish()], "received")
             except IntegrityError as exc:

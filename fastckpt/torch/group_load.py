@@ -16,9 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ..checkpoint.group import CHUNK, GroupCall, chunk_buffer
+from ..checkpoint.group import GroupCall, chunk_buffer, recv_span, send_span
 from ..checkpoint.reader import open_checkpoint_async
 from ..config import TransferConfig
 from ..engine.layout import Layout, read_layout
@@ -182,23 +181,22 @@ def _exchange(call: GroupCall, plans: dict[str, tuple[list[int], list[Range]]], 
               ) -> dict[int, list[bytes]]:
     """On a worker thread: every range sent by its owner to each other rank that loads its file, in the same order on
     every rank; the chunk digests of the ranges this rank received, by start."""
-    view, tensor = chunk_buffer()
+    buffer = chunk_buffer()
     received: dict[int, list[bytes]] = {}
     for loaders, parts in plans.values():
         for start, end, owner in parts:
             for peer in loaders:
                 if peer == owner or call.rank not in (owner, peer):
                     continue
+                if call.rank == owner:
+                    send_span(call, peer, start, end - start, layout.gather, buffer)
+                    continue
                 hasher = ChunkHasher(chunk)
-                for offset in range(start, end, CHUNK):
-                    piece = view[:min(CHUNK, end - offset)]
-                    if call.rank == owner:
-                        layout.gather(offset, piece)
-                        dist.send(tensor[:len(piece)], dst=call.global_rank(peer), group=call.gloo)
-                    else:
-                        dist.recv(tensor[:len(piece)], src=call.global_rank(owner), group=call.gloo)
-                        layout.scatter(offset, piece)
-                        hasher.update(piece)
-                if call.rank == peer:
-                    received[start] = hasher.finish()
+
+                def take(offset: int, piece: memoryview, hasher: ChunkHasher = hasher) -> None:
+                    layout.scatter(offset, piece)
+                    hasher.update(piece)
+
+                recv_span(call, owner, start, end - start, take, buffer)
+                received[start] = hasher.finish()
     return received
