@@ -109,7 +109,7 @@ def rank_main(rank: int, spec: dict[str, Any]) -> None:
     import fastckpt
     import fastckpt.torch as ft
     from fastckpt.tier import Tier
-    from fastckpt.torch.tier_peers import restore_tier
+    from fastckpt.torch import restore_tier
     from harness.uris import below
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), LOCAL_WORLD_SIZE="1")

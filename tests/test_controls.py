@@ -320,7 +320,7 @@ def test_the_faces_pass_controls_through(moto_server, s3_uri: str) -> None:
     import fsspec
 
     from fastckpt.fs import filesystem
-    from fastckpt.torch.dcp_location import storage_query
+    from fastckpt.torch.dcp.location import storage_query
 
     loc = parse_uri(s3_uri)
     facade = filesystem(s3_uri, server_side_encryption="aws:kms", sse_kms_key_id="alias/ck")

@@ -1,6 +1,6 @@
-"""How a DCP load shared over a process group splits the ranks' byte ranges (``fastckpt.torch.group_dcp.segments``):
-every byte a rank needs lies in exactly one segment that names it, each segment is fetched by one of its ranks, and
-the fetching is spread over them."""
+"""How a DCP load shared over a process group splits the ranks' byte ranges
+(``fastckpt.torch.dcp.group_read.segments``): every byte a rank needs lies in exactly one segment that names it, each
+segment is fetched by one of its ranks, and the fetching is spread over them."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from fastckpt.torch import group_dcp
-from fastckpt.torch.group_dcp import batches, segments
+from fastckpt.torch.dcp import group_read as group_dcp
+from fastckpt.torch.dcp.group_read import batches, segments
 
 CHUNK = 1 << 20
 

@@ -217,7 +217,7 @@ def test_saves_handed_to_the_agent_survive_their_trainers(tmp_path: Path) -> Non
     import fcntl
 
     from fastckpt.tier.handoff import Handoff, handoffs
-    from fastckpt.torch.tier_staging import prepare_spares
+    from fastckpt.torch.tiered.staging import prepare_spares
 
     uri, tier = f"{tmp_path}/run/step-6", Tier(tmp_path / "tier")
     prepare_spares(tier, [(f"rank-{r:05d}.safetensors", 64 << 20) for r in (0, 1)])

@@ -12,7 +12,7 @@ from .load import load, load_async
 from .model_load import load_safetensors, load_safetensors_async
 from .save import SaveHandle, async_save, rank_file, save
 from .staging import Staging
-from .tier_peers import restore_tier
+from .tiered import restore_tier
 
 __all__ = ["SaveHandle", "Staging", "async_save", "load", "load_async", "load_safetensors", "load_safetensors_async",
            "rank_file", "restore_tier", "save"]

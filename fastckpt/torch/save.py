@@ -30,8 +30,8 @@ from ..tier.save import save_to_tier, supersede, wait_durable
 from ..uri import parse_uri
 from .format import Header, build_header, flatten, split_large, with_state
 from .staging import Staging, byte_view, default_staging, distributed_defaults
-from .tier_peers import replica_group, replicate
-from .tier_staging import commit_staged, prepare_spares, stage_in_tier
+from .tiered.peers import replica_group, replicate
+from .tiered.staging import commit_staged, prepare_spares, stage_in_tier
 
 __all__ = ["SaveHandle", "as_tier", "async_save", "rank_file", "rank_files", "save"]
 
@@ -175,7 +175,7 @@ def async_save(state_dict: Any, uri: str, *, rank: int | None = None, world_size
     tensors are copied straight into the tier's files, whose pages are recycled save after save (the first save into
     a tier goes through ``staging`` and readies those files); device tensors go through ``staging``. ``config`` does
     not reach the agent: it opens ``uri`` from the environment it was started in. ``replicas=1``: each rank's copy
-    also goes to the tier of the rank one node over (``tier_peers``), before ``wait()`` returns. ``overwrite``: as
+    also goes to the tier of the rank one node over (``tiered.peers``), before ``wait()`` returns. ``overwrite``: as
     for ``save`` (not with ``tier``: a tier save commits each step to a URI of its own). ``metrics`` and
     ``retention``: as for ``save``.
     """
@@ -238,7 +238,7 @@ def _readied(task: asyncio.Task[None]) -> None:
 
 
 def _replicas(place: _Place, replicas: int) -> Callable[[], Awaitable[None]] | None:
-    """What sends a tier save's replicas (``tier_peers.replicate``) once it is committed; None for none."""
+    """What sends a tier save's replicas (``tiered.peers.replicate``) once it is committed; None for none."""
     if replicas not in (0, 1):
         raise ValueError(f"replicas={replicas}: 0 or 1 peer replicas are supported")
     if not replicas:

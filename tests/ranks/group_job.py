@@ -27,7 +27,7 @@ import fastckpt
 import fastckpt.torch as ft
 from fastckpt import TransferConfig
 from fastckpt.checkpoint import group_download
-from fastckpt.torch.group_dcp import GroupRead
+from fastckpt.torch.dcp.group_read import GroupRead
 from tests.ranks import spec_main
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import fastckpt.torch as ft
 from fastckpt.tier.spare import spare_files
-from fastckpt.torch.tier_peers import restore_tier
+from fastckpt.torch import restore_tier
 from tests.ranks import spec_main
 
 

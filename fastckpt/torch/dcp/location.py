@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from .._loop import BackgroundLoop
-from ..config import TransferConfig
-from ..engine.open_stores import store_for
-from ..stores.base import Store
-from ..stores.controls import OPTIONS as CONTROLS
-from ..uri import StorageURI, option_text, parse_uri, with_options
+from ..._loop import BackgroundLoop
+from ...config import TransferConfig
+from ...engine.open_stores import store_for
+from ...stores.base import Store
+from ...stores.controls import OPTIONS as CONTROLS
+from ...uri import StorageURI, option_text, parse_uri, with_options
 
 __all__ = ["METADATA", "StoredItem", "storage_query"]
 
@@ -31,7 +31,7 @@ class StoredItem:
     their dtype and shape.
 
     Its bytes are raw (a tensor's, or a byte item's) unless ``encoded``: then they are what DCP's ``FileSystemWriter``
-    stores (``torch.save`` of a tensor), passed through the extensions ``descriptors`` name (``dcp_format``). Between
+    stores (``torch.save`` of a tensor), passed through the extensions ``descriptors`` name (``format``). Between
     a rank's ``write_data`` and the coordinator's ``finish`` it describes a stored item: ``offset``/``length`` its
     stored bytes, ``raw`` where a tensor's raw bytes lie among them, ``manifest`` the rank's manifest (on its first
     item). (Checkpoints of fastckpt before DCP's open format pickled it into ``.metadata``.)"""

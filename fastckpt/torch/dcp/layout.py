@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from ..engine.layout import Layout
-from .format import SMALL
-from .staging import byte_view
+from ...engine.layout import Layout
+from ..format import SMALL
+from ..staging import byte_view
 
 __all__ = ["Span", "rank_file", "rank_files"]
 

@@ -21,14 +21,14 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._loop import BackgroundLoop
-from ..checkpoint.group import GroupCall, chunk_buffer, recv_span, send_span
-from ..engine.layout import Layout, read_layout
-from ..engine.transfer import Transfer
-from ..errors import CheckpointError, IntegrityError
-from ..integrity import ChunkHasher
-from ..stores.base import Store
-from ..tasks import gather_all
+from ..._loop import BackgroundLoop
+from ...checkpoint.group import GroupCall, chunk_buffer, recv_span, send_span
+from ...engine.layout import Layout, read_layout
+from ...engine.transfer import Transfer
+from ...errors import CheckpointError, IntegrityError
+from ...integrity import ChunkHasher
+from ...stores.base import Store
+from ...tasks import gather_all
 
 __all__ = ["BATCH", "SEGMENT", "Filling", "GroupRead", "Segment", "Span", "batches", "segments"]
 

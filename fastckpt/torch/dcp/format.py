@@ -28,9 +28,9 @@ from torch.distributed.checkpoint import metadata as dcp_meta
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms, _StorageWriterTransforms
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from ..errors import CheckpointError
-from ..integrity import FileDigest
-from .dcp_location import StoredItem
+from ...errors import CheckpointError
+from ...integrity import FileDigest
+from .location import StoredItem
 
 __all__ = [
     "INDEX",

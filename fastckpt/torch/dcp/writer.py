@@ -1,25 +1,5 @@
-"""A ``torch.distributed.checkpoint`` storage plugin: ``dcp.save`` / ``async_save`` / ``load`` on any backend, a
-drop-in for ``FileSystemWriter`` / ``FileSystemReader`` (same arguments, same meaning where fastckpt has one).
-
-What it writes is DCP's open format (``dcp_format``): each rank's items in one file, ``rank-NNNNN.distcp`` (in
-incremental saves its items of 1 MiB and more in ``rank-NNNNN-large.distcp``; with ``single_file_per_rank=False``
-one file per item), each tensor as ``torch.save`` bytes, and DCP's own ``.metadata``, so ``FileSystemReader``,
-``FsspecReader`` and ``dcp_to_torch_save`` read it. Beside it: the chunk digests in each rank's manifest, fastckpt's
-index of where tensors' raw bytes lie (``.metadata.fastckpt``), the commit marker. The ranks' manifests reach the
-coordinator through DCP's own gather; in ``finish`` it writes ``.metadata`` and every manifest, then the marker: a
-save is visible only once the marker exists, and a rank that dies mid-save leaves an attempt that ``gc`` removes.
-
-Saving again to the same path (``overwrite=True``, DCP's default) writes the new checkpoint's files into a folder of
-their own beside the old ones and switches with one write of the marker (``CheckpointWriter(overwrite=True)``), then
-replaces the top-level ``.metadata`` that the stock readers open, then deletes the old files: a reader sees the old
-checkpoint or the new one, and a save that dies leaves the old one loadable.
-
-The reader opens committed checkpoints (``allow_uncommitted=True``: also those the stock writer wrote, checked
-against their sizes only). Any rank may read any part of any file (DCP reshards on load); every chunk read is
-checked against its recorded digest. ``.metadata`` is unpickled allowing DCP's metadata classes and nothing else
-(``dcp_format.load_metadata``). With ``group=`` (``Reader(uri, group=pg)``), the metadata is read once for the
-group and each byte that several ranks need is read from storage once (``group_dcp``).
-"""
+"""The DCP storage writer (``Writer``): each rank's items into its file(s) in DCP's own format, the coordinator's
+``.metadata``, fastckpt's index and the commit; saves into a tier; the stock ``FileSystemWriter`` arguments."""
 
 from __future__ import annotations
 
@@ -48,31 +28,30 @@ from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStage
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import stats
-from ..checkpoint.attempt import attempt_from_env, new_attempt_id
-from ..checkpoint.barrier import HandedBarrier
-from ..checkpoint.base import BaseCheckpoint, resolve_base
-from ..checkpoint.commit import CommitResult
-from ..checkpoint.manifest import RankManifest, check_metrics, generation_root, marker_key
-from ..checkpoint.retention import Retention, retain_beside
-from ..checkpoint.writer import CheckpointWriter
-from ..config import TransferConfig
-from ..engine.layout import Layout
-from ..errors import CheckpointError
-from ..stores.base import Store
-from ..threads import off_loop
-from ..tier import Tier, ensure_agent
-from ..tier.layout import Drain, TierStore
-from ..tier.save import supersede, wait_durable
-from ..uri import StorageURI
-from .dcp_format import INDEX, Encoded, encode, encode_index, exact
-from .dcp_layout import rank_files
-from .dcp_location import METADATA, StoredItem, _done, _Location, _run, storage_query
-from .dcp_reader import Reader
-from .staging import byte_view
-from .tier_staging import write_in_tier
+from ... import stats
+from ...checkpoint.attempt import attempt_from_env, new_attempt_id
+from ...checkpoint.barrier import HandedBarrier
+from ...checkpoint.base import BaseCheckpoint, resolve_base
+from ...checkpoint.commit import CommitResult
+from ...checkpoint.manifest import RankManifest, check_metrics, generation_root, marker_key
+from ...checkpoint.retention import Retention, retain_beside
+from ...checkpoint.writer import CheckpointWriter
+from ...config import TransferConfig
+from ...engine.layout import Layout
+from ...errors import CheckpointError
+from ...stores.base import Store
+from ...threads import off_loop
+from ...tier import Tier, ensure_agent
+from ...tier.layout import Drain, TierStore
+from ...tier.save import supersede, wait_durable
+from ...uri import StorageURI
+from ..staging import byte_view
+from ..tiered.staging import write_in_tier
+from .format import INDEX, Encoded, encode, encode_index, exact
+from .layout import rank_files
+from .location import METADATA, StoredItem, _done, _Location, _run, storage_query
 
-__all__ = ["Reader", "StoredItem", "Writer"]
+__all__ = ["Writer"]
 
 
 @dataclass(frozen=True)

@@ -19,17 +19,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.barrier import Barrier
-from ..checkpoint.barrier_torch import TorchBarrier, gloo_group
-from ..checkpoint.manifest import CommitMarker, RankManifest, digest_of, marker_key, meta_prefix, rank_key
-from ..config import env_count, env_seconds
-from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError
-from ..fileio import write_whole
-from ..integrity import hash_chunks
-from ..tier import Tier, TierFullError, held_files
-from ..tier.spare import claim
-from ..uri import StorageURI, parse_uri
-from .tier_staging import mapped
+from ...checkpoint.barrier import Barrier
+from ...checkpoint.barrier_torch import TorchBarrier, gloo_group
+from ...checkpoint.manifest import CommitMarker, RankManifest, digest_of, marker_key, meta_prefix, rank_key
+from ...config import env_count, env_seconds
+from ...errors import CheckpointError, IntegrityError, ObjectNotFoundError
+from ...fileio import write_whole
+from ...integrity import hash_chunks
+from ...tier import Tier, TierFullError, held_files
+from ...tier.spare import claim
+from ...uri import StorageURI, parse_uri
+from .staging import mapped
 
 __all__ = ["REPLICA_GRACE_S", "TIMEOUT", "held_ranks", "ranks_per_node", "replica_group", "replicate", "restore_tier"]
 

@@ -1,7 +1,7 @@
 """The ``torch.distributed.checkpoint`` storage reader (``fastckpt.torch.dcp.Reader``): committed checkpoints (and,
 when allowed, ones the stock ``FileSystemWriter`` wrote), any rank reading any part of any file (DCP reshards on
 load), every chunk read checked against its recorded digest. ``.metadata`` is unpickled allowing DCP's metadata
-classes and nothing else (``dcp_format.load_metadata``)."""
+classes and nothing else (``format.load_metadata``)."""
 
 from __future__ import annotations
 
@@ -23,28 +23,28 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import stats
-from .._loop import BackgroundLoop
-from ..checkpoint.catalog import UNCOMMITTED, CheckpointInfo, checkpoint_name
-from ..checkpoint.group import GroupCall
-from ..checkpoint.manifest import marker_key
-from ..checkpoint.reader import Checkpoint, open_checkpoint_async
-from ..config import TransferConfig
-from ..engine.layout import Layout, read_layout
-from ..engine.transfer import Transfer
-from ..errors import CheckpointError, IntegrityError, ObjectNotFoundError
-from ..integrity import FileDigest
-from ..stores.base import Store
-from ..tasks import gather_all
-from ..threads import off_loop
-from ..tier import Tier, held_files, tier_checkpoint
-from ..tier.layout import TierStore
-from ..tier.nearest import tier_or_group
-from ..uri import StorageURI
-from .dcp_format import INDEX, decode_bytes, decode_index, decode_tensor, load_metadata, stored_items
-from .dcp_layout import Span
-from .dcp_location import METADATA, StoredItem, _done, _Location, _run, storage_query
-from .group_dcp import GroupRead
+from ... import stats
+from ..._loop import BackgroundLoop
+from ...checkpoint.catalog import UNCOMMITTED, CheckpointInfo, checkpoint_name
+from ...checkpoint.group import GroupCall
+from ...checkpoint.manifest import marker_key
+from ...checkpoint.reader import Checkpoint, open_checkpoint_async
+from ...config import TransferConfig
+from ...engine.layout import Layout, read_layout
+from ...engine.transfer import Transfer
+from ...errors import CheckpointError, IntegrityError, ObjectNotFoundError
+from ...integrity import FileDigest
+from ...stores.base import Store
+from ...tasks import gather_all
+from ...threads import off_loop
+from ...tier import Tier, held_files, tier_checkpoint
+from ...tier.layout import TierStore
+from ...tier.nearest import tier_or_group
+from ...uri import StorageURI
+from .format import INDEX, decode_bytes, decode_index, decode_tensor, load_metadata, stored_items
+from .group_read import GroupRead
+from .layout import Span
+from .location import METADATA, StoredItem, _done, _Location, _run, storage_query
 
 __all__ = ["GROUP_BYTES", "SPANS_AHEAD", "Reader"]
 
@@ -183,7 +183,7 @@ class Reader(_Location, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         """Spans of the files are read on fastckpt's loop (a few ahead) and handed to the planner here, in order
         of arrival; memory stays at a few spans whatever the plan's size. Whole stored tensors are received
-        straight into contiguous CPU destinations. With ``group=``, see ``group_dcp``."""
+        straight into contiguous CPU destinations. With ``group=``, see ``group_read``."""
         if self.group is not None:
             self._read_in_group(plan, planner)
             return _done(None)
@@ -204,7 +204,7 @@ class Reader(_Location, StorageReader):
         return _done(None)
 
     def _read_in_group(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """``read_data`` on every rank of the group at once (``group_dcp.GroupRead.run``)."""
+        """``read_data`` on every rank of the group at once (``group_read.GroupRead.run``)."""
         assert self._ckpt is not None
         ckpt = self._ckpt
         call = _run(GroupCall.of(self.group, f"DCP load of {self.uri} by its process group"))

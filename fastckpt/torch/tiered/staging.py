@@ -16,21 +16,21 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.barrier import Barrier
-from ..checkpoint.commit import CommitResult
-from ..checkpoint.manifest import FileEntry
-from ..checkpoint.writer import CheckpointWriter
-from ..config import TransferConfig
-from ..engine.layout import Layout
-from ..threads import off_loop
-from ..tier import Tier, TierFullError, ensure_agent
-from ..tier.handoff import Handoff, Held, StagedFile, hand_off, hashed_entry, part_size
-from ..tier.layout import NO_DRAIN, Drain
-from ..tier.save import commit_in_tier, known_attempt
-from ..tier.spare import claim, fits, prepare
-from ..uri import StorageURI
-from .format import Header
-from .staging import byte_view, copy_tensors, synchronize
+from ...checkpoint.barrier import Barrier
+from ...checkpoint.commit import CommitResult
+from ...checkpoint.manifest import FileEntry
+from ...checkpoint.writer import CheckpointWriter
+from ...config import TransferConfig
+from ...engine.layout import Layout
+from ...threads import off_loop
+from ...tier import Tier, TierFullError, ensure_agent
+from ...tier.handoff import Handoff, Held, StagedFile, hand_off, hashed_entry, part_size
+from ...tier.layout import NO_DRAIN, Drain
+from ...tier.save import commit_in_tier, known_attempt
+from ...tier.spare import claim, fits, prepare
+from ...uri import StorageURI
+from ..format import Header
+from ..staging import byte_view, copy_tensors, synchronize
 
 __all__ = ["Staged", "commit_staged", "discard", "mapped", "prepare_spares", "stage_in_tier", "write_in_tier"]
 
