@@ -2,7 +2,7 @@
 may be lost.
 
     python -m bench.soak --kills 20 --seed 0              # a few minutes
-    python -m bench.soak --kills 3 --seed 1 --quick       # the short form the default suite runs (tests/test_soak.py)
+    python -m bench.soak --kills 3 --seed 1 --quick       # the default suite's short form (tests/tier/test_soak.py)
 
 The bucket is a moto server on 127.0.0.1 behind ``harness/proxy.py``; each rank is a "node" with a tier directory of
 its own (``LOCAL_WORLD_SIZE=1``). Each incarnation of the job restores (every rank: ``latest(tier=)``, the newest

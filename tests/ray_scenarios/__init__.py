@@ -1,1 +1,1 @@
-"""Ray Train scenarios run as subprocesses by tests/test_ray_train.py (and the facade benchmark)."""
+"""Ray Train scenarios run as subprocesses by tests/faces/test_ray_train.py (and the facade benchmark)."""

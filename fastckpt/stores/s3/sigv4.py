@@ -1,7 +1,7 @@
 """AWS Signature Version 4 for the S3 data path: the headers botocore's ``S3SigV4Auth`` adds, made without its
 per-request cost (0.5 ms of Python a request, most of a small file's client CPU; this takes ~0.03 ms).
 
-``tests/test_s3.py`` checks it against botocore's signer request for request (methods, keys, queries,
+``tests/stores/test_s3.py`` checks it against botocore's signer request for request (methods, keys, queries,
 session tokens, signed and unsigned payloads).
 """
 
