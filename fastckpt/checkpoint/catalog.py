@@ -67,9 +67,9 @@ class CheckpointInfo:
         return int(match[1]) if match else None
 
 
-def uri_of(base: StorageURI, key: str) -> str:
-    """A URI string for ``key`` in ``base``'s bucket, with ``base``'s options."""
-    return base.with_key(key).uri()
+def uri_of(target: StorageURI, key: str) -> str:
+    """A URI string for ``key`` in ``target``'s bucket, with ``target``'s options."""
+    return target.with_key(key).uri()
 
 
 def checkpoint_name(key: str) -> str:
@@ -87,21 +87,21 @@ def target_of(uri: str | StorageURI) -> StorageURI:
 
 async def with_store(uri: str | StorageURI, config: TransferConfig | None,
                      fn: Callable[[Store, StorageURI, TransferConfig], Awaitable[T]]) -> T:
-    base, cfg = target_of(uri), config or TransferConfig.from_env()
-    async with open_store(base, config=cfg) as store:
-        return await fn(store, base, cfg)
+    target, cfg = target_of(uri), config or TransferConfig.from_env()
+    async with open_store(target, config=cfg) as store:
+        return await fn(store, target, cfg)
 
 
 async def list_objects(store: Store, prefix: str) -> list[ObjectMeta]:
     return [m async for m in store.list(prefix)]
 
 
-async def candidates(store: Store, base: str) -> list[tuple[str, list[ObjectMeta]]]:
-    """(key, metadata objects) of the checkpoint(s) at ``base``: itself, else its direct sub-prefixes."""
-    own = await list_objects(store, meta_prefix(base))
+async def candidates(store: Store, target: str) -> list[tuple[str, list[ObjectMeta]]]:
+    """(key, metadata objects) of the checkpoint(s) at ``target``: itself, else its direct sub-prefixes."""
+    own = await list_objects(store, meta_prefix(target))
     if own:
-        return [(base, own)]
-    _, dirs = await store.list_dir(base)
+        return [(target, own)]
+    _, dirs = await store.list_dir(target)
     metas = await gather_bounded([list_objects(store, meta_prefix(d)) for d in dirs], SCAN_CONCURRENCY)
     return [(d, m) for d, m in zip(dirs, metas, strict=True) if m]
 
@@ -109,17 +109,17 @@ async def candidates(store: Store, base: str) -> list[tuple[str, list[ObjectMeta
 def attempts_of(key: str, metas: list[ObjectMeta]) -> dict[str, dict[int, ObjectMeta]]:
     """{attempt: {rank: manifest object}} found below the checkpoint's metadata prefix."""
     found: dict[str, dict[int, ObjectMeta]] = {}
-    base = meta_prefix(key) + "/"
+    target = meta_prefix(key) + "/"
     for m in metas:
-        parts = m.key[len(base):].split("/") if m.key.startswith(base) else []
+        parts = m.key[len(target):].split("/") if m.key.startswith(target) else []
         if len(parts) == 2 and (rank := parse_rank_name(parts[1])) is not None:
             found.setdefault(parts[0], {})[rank] = m
     return found
 
 
-async def info_of(store: Store, base: StorageURI, key: str, metas: list[ObjectMeta]) -> CheckpointInfo:
+async def info_of(store: Store, target: StorageURI, key: str, metas: list[ObjectMeta]) -> CheckpointInfo:
     """Listing entry of one checkpoint (cheap: the marker, or the newest attempt's manifests)."""
-    uri, name = uri_of(base, key), checkpoint_name(key)
+    uri, name = uri_of(target, key), checkpoint_name(key)
     attempts = attempts_of(key, metas)
     if any(m.key == marker_key(key) for m in metas):
         try:
@@ -150,11 +150,11 @@ async def read_manifests(store: Store, objects: Iterable[ObjectMeta]) -> list[Ra
     return await gather_bounded([one(m) for m in objects], SCAN_CONCURRENCY)
 
 
-async def committed_keys(store: Store, base: StorageURI, key: str) -> list[str]:
+async def committed_keys(store: Store, target: StorageURI, key: str) -> list[str]:
     """Keys of the committed checkpoints at ``key`` (itself, or its direct sub-prefixes), oldest first (by commit
     time, then name)."""
     found = await candidates(store, key)
-    infos = await gather_bounded([info_of(store, base, k, metas) for k, metas in found], SCAN_CONCURRENCY)
+    infos = await gather_bounded([info_of(store, target, k, metas) for k, metas in found], SCAN_CONCURRENCY)
     return [k for _, _, k in sorted((i.committed_at or 0.0, i.name, k) for i, (k, _) in zip(infos, found, strict=True)
                                     if i.state == COMMITTED)]
 
@@ -162,9 +162,9 @@ async def committed_keys(store: Store, base: StorageURI, key: str) -> list[str]:
 async def list_checkpoints_async(uri: str | StorageURI, *, config: TransferConfig | None = None
                                  ) -> list[CheckpointInfo]:
     """Checkpoints at ``uri`` (itself, or its direct sub-prefixes), sorted by name."""
-    async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> list[CheckpointInfo]:
-        found = await candidates(store, base.key)
-        infos = await gather_bounded([info_of(store, base, k, metas) for k, metas in found], SCAN_CONCURRENCY)
+    async def run(store: Store, target: StorageURI, cfg: TransferConfig) -> list[CheckpointInfo]:
+        found = await candidates(store, target.key)
+        infos = await gather_bounded([info_of(store, target, k, metas) for k, metas in found], SCAN_CONCURRENCY)
         return sorted(infos, key=lambda i: i.name)
 
     return await with_store(uri, config, run)

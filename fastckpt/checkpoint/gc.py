@@ -59,31 +59,31 @@ async def gc_async(uri: str | StorageURI, *, older_than: float = 24 * 3600.0, dr
         raise ValueError("gc takes keep_last= or retention=, not both (keep_last=K is Retention(keep_last=K))")
     policy = Retention(keep_last=keep_last, grace=0.0) if keep_last is not None else retention
 
-    async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> GcReport:
+    async def run(store: Store, target: StorageURI, cfg: TransferConfig) -> GcReport:
         report = GcReport(dry_run)
         now = time.time()
-        found = dict(await candidates(store, base.key))
+        found = dict(await candidates(store, target.key))
         pending: dict[str, list[PendingUpload]] = {}
-        for up in await store.list_pending_uploads(base.key):
+        for up in await store.list_pending_uploads(target.key):
             # an upload of an object directly below the prefix (a killed ``cp``) counts on its own
-            root = base.key if base.key in found else _child_of(base.key, up.key) or up.key
+            root = target.key if target.key in found else _child_of(target.key, up.key) or up.key
             pending.setdefault(root, []).append(up)
         for key in sorted(set(found) | set(pending)):
-            await _gc_one(store, base, key, key in found, pending.get(key, []), now - older_than, report)
-        orphans = await store.list_orphans(base.key, now - older_than)
+            await _gc_one(store, target, key, key in found, pending.get(key, []), now - older_than, report)
+        orphans = await store.list_orphans(target.key, now - older_than)
         report.removed.extend(orphans)
         if orphans and not dry_run:
             await store.delete_many(orphans)
         if policy is not None:
-            await _retain(store, base, policy, report)
+            await _retain(store, target, policy, report)
         return report
 
     return await with_store(uri, config, run)
 
 
-async def _retain(store: Store, base: StorageURI, policy: Retention, report: GcReport) -> None:
-    """Remove the committed checkpoints at ``base`` that ``policy`` does not keep: marker first, then the rest."""
-    for key in await not_kept(store, base, policy):
+async def _retain(store: Store, target: StorageURI, policy: Retention, report: GcReport) -> None:
+    """Remove the committed checkpoints at ``target`` that ``policy`` does not keep: marker first, then the rest."""
+    for key in await not_kept(store, target, policy):
         objects = await list_objects(store, key)
         report.removed.extend(m.key for m in objects)
         report.bytes += sum(m.size for m in objects)
@@ -91,14 +91,14 @@ async def _retain(store: Store, base: StorageURI, policy: Retention, report: GcR
             await remove_committed(store, key)
 
 
-def _child_of(base: str, key: str) -> str | None:
-    rel = key[len(base) + 1:] if base else key
-    if (base and not key.startswith(base + "/")) or "/" not in rel:
+def _child_of(target: str, key: str) -> str | None:
+    rel = key[len(target) + 1:] if target else key
+    if (target and not key.startswith(target + "/")) or "/" not in rel:
         return None
-    return join_key(base, rel.split("/", 1)[0])
+    return join_key(target, rel.split("/", 1)[0])
 
 
-async def _gc_one(store: Store, base: StorageURI, key: str, is_checkpoint: bool, uploads: list[PendingUpload],
+async def _gc_one(store: Store, target: StorageURI, key: str, is_checkpoint: bool, uploads: list[PendingUpload],
                   cutoff: float, report: GcReport) -> None:
     name = checkpoint_name(key)
     old_uploads = [u for u in uploads if u.started <= cutoff]
@@ -106,7 +106,7 @@ async def _gc_one(store: Store, base: StorageURI, key: str, is_checkpoint: bool,
     if is_checkpoint:
         objects = await list_objects(store, key)
         try:
-            ckpt = await load(store, base.with_key(key), allow_uncommitted=False)
+            ckpt = await load(store, target.with_key(key), allow_uncommitted=False)
         except CheckpointError:
             ckpt = None
         if ckpt is None:

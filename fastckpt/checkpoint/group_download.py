@@ -36,29 +36,29 @@ Planned = tuple[str, int, int, str, int]
 """(name, size, chunk size, digest, owner rank) of one file."""
 
 
-async def download_in_group(store: Store, base: StorageURI, cfg: TransferConfig, dst: str, group: Any,
+async def download_in_group(store: Store, target: StorageURI, cfg: TransferConfig, dst: str, group: Any,
                             allow_uncommitted: bool, progress: ProgressCallback | None) -> list[FileResult]:
     """``download_checkpoint_async`` with ``group=``: every rank of ``group`` calls it, and each ends with the
     whole checkpoint below its own ``dst``."""
-    call = await GroupCall.of(group, f"download of checkpoint {base.raw} by its process group")
+    call = await GroupCall.of(group, f"download of checkpoint {target.raw} by its process group")
     plan: dict[str, Any] = {}
     if call.rank == 0:
         try:
-            planned, root = await _plan(store, base, allow_uncommitted, call.size)
+            planned, root = await _plan(store, target, allow_uncommitted, call.size)
             plan = {"files": planned, "root": root}
         except Exception as exc:  # every rank raises it, once they have it
             plan = {"error": f"{type(exc).__name__}: {exc}"}
     plan = await call.share_plan(plan, store)
     call.raise_first([plan.get("error")])  # rank 0's, known to every rank now
     files: list[Planned] = [tuple(f) for f in plan["files"]]  # type: ignore[misc]
-    base = base.with_key(base.join(plan["root"]))  # the folder of the files (messages keep the URI as given)
+    target = target.with_key(target.join(plan["root"]))  # the folder of the files (messages keep the URI as given)
     paths = dict(zip([f[0] for f in files], paths_below(dst, [f[0] for f in files]), strict=True))
     mine = [f for f in files if f[4] == call.rank]
     transfer = Transfer(store, cfg, progress)
     error = None
     try:
-        await transfer.download_files([(base.join(f[0]), paths[f[0]]) for f in mine],
-                                      {base.join(f[0]): FileDigest(f[1], f[2], f[3]) for f in mine if f[3]})
+        await transfer.download_files([(target.join(f[0]), paths[f[0]]) for f in mine],
+                                      {target.join(f[0]): FileDigest(f[1], f[2], f[3]) for f in mine if f[3]})
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -67,17 +67,17 @@ async def download_in_group(store: Store, base: StorageURI, cfg: TransferConfig,
     received = await call.run(lambda: _exchange(call, files, paths, cfg.download_fsync))
     await call.agree(received if isinstance(received, str) else None)
     digests: dict[str, list[bytes]] = received if isinstance(received, dict) else {}
-    return [FileResult(base.join(name), paths[name],
+    return [FileResult(target.join(name), paths[name],
                        FileDigest(size, chunk, digest) if name not in digests else
                        FileDigest(size, chunk, combine(digests[name])))
             for name, size, chunk, digest, _ in files]
 
 
-async def _plan(store: Store, base: StorageURI, allow_uncommitted: bool, world: int) -> tuple[list[Planned], str]:
+async def _plan(store: Store, target: StorageURI, allow_uncommitted: bool, world: int) -> tuple[list[Planned], str]:
     """Rank 0: the checkpoint's files with their digests, each given an owner; the folder they lie in."""
-    ckpt = await load(store, base, allow_uncommitted)
+    ckpt = await load(store, target, allow_uncommitted)
     if ckpt.problems:
-        raise corrupt_error(base, ckpt)
+        raise corrupt_error(target, ckpt)
     sizes: dict[str, FileDigest] = {}
     for name, digest in ckpt.files.items():  # an uncommitted checkpoint without manifests: the objects' own
         meta = await store.head(ckpt.file_key(name)) if digest is None else None

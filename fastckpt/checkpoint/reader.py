@@ -99,20 +99,20 @@ class VerifyReport:
     bad: list[BadFile] = field(default_factory=list)
 
 
-async def load(store: Store, base: StorageURI, allow_uncommitted: bool, ranks: Iterable[int] | None = None
+async def load(store: Store, target: StorageURI, allow_uncommitted: bool, ranks: Iterable[int] | None = None
                ) -> Checkpoint:
-    """The checkpoint at ``base``: committed (manifests checked against the marker), corrupt (with
+    """The checkpoint at ``target``: committed (manifests checked against the marker), corrupt (with
     ``problems``), or, when allowed, uncommitted. ``ranks``: read only these ranks' manifests (a tier copy holds
     its node's)."""
-    key = base.key
+    key = target.key
     try:
         raw = await read_object(store, marker_key(key))
     except ObjectNotFoundError:
         if not allow_uncommitted:
-            raise CheckpointError(f"checkpoint {base.raw} is not committed (no {META_DIR}/COMMITTED); "
+            raise CheckpointError(f"checkpoint {target.raw} is not committed (no {META_DIR}/COMMITTED); "
                                   "pass allow_uncommitted=True to read it anyway") from None
-        return await _load_uncommitted(store, base)
-    uri, name = uri_of(base, key), checkpoint_name(key)
+        return await _load_uncommitted(store, target)
+    uri, name = uri_of(target, key), checkpoint_name(key)
     try:
         marker = CommitMarker.decode(raw, marker_key(key))
     except CheckpointError as exc:
@@ -173,11 +173,11 @@ async def _grouped_manifests(store: Store, key: str, marker: CommitMarker) -> di
     return dict(pair for found in await gather_bounded([group(f) for f in firsts], SCAN_CONCURRENCY) for pair in found)
 
 
-async def _load_uncommitted(store: Store, base: StorageURI) -> Checkpoint:
+async def _load_uncommitted(store: Store, target: StorageURI) -> Checkpoint:
     """Newest attempt's manifests as found; without any, every object below the prefix."""
-    key = base.key
+    key = target.key
     metas = await list_objects(store, meta_prefix(key))
-    info = await info_of(store, base, key, metas)
+    info = await info_of(store, target, key, metas)
     files: dict[str, FileDigest | None] = {}
     attempts = attempts_of(key, metas)
     root = ""
@@ -195,7 +195,7 @@ async def _load_uncommitted(store: Store, base: StorageURI) -> Checkpoint:
                 except ValueError as exc:
                     raise StoreError(f"refusing unsafe object name {meta.key!r}: {exc}") from None
         if not files:
-            raise ObjectNotFoundError(f"no checkpoint at {base.raw}: nothing found there")
+            raise ObjectNotFoundError(f"no checkpoint at {target.raw}: nothing found there")
         info = CheckpointInfo(info.name, info.uri, UNCOMMITTED, None, None, len(files), 0, None)
     return Checkpoint(info, key, files, root=root)
 
@@ -205,10 +205,10 @@ async def open_checkpoint_async(uri: str | StorageURI, *, allow_uncommitted: boo
                                 ranks: Iterable[int] | None = None) -> Checkpoint:
     """Open the checkpoint at ``uri``: CheckpointError when it is uncommitted (unless allowed) or corrupt.
     ``store`` reuses an open store of ``uri``'s location (not closed here); ``ranks``: only these ranks' files."""
-    async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> Checkpoint:
-        ckpt = await load(store, base, allow_uncommitted, ranks)
+    async def run(store: Store, target: StorageURI, cfg: TransferConfig) -> Checkpoint:
+        ckpt = await load(store, target, allow_uncommitted, ranks)
         if ckpt.problems:
-            raise corrupt_error(base, ckpt)
+            raise corrupt_error(target, ckpt)
         return ckpt
 
     if store is not None:
@@ -229,14 +229,14 @@ async def download_checkpoint_async(
     (``checkpoint.group_download``); a failure on any rank fails every rank. None: this process alone."""
     dst = os.fspath(dst)
 
-    async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> list[FileResult]:
+    async def run(store: Store, target: StorageURI, cfg: TransferConfig) -> list[FileResult]:
         if group is not None:
             from .group_download import download_in_group  # torch is optional
 
-            return await download_in_group(store, base, cfg, dst, group, allow_uncommitted, progress)
-        ckpt = await load(store, base, allow_uncommitted)
+            return await download_in_group(store, target, cfg, dst, group, allow_uncommitted, progress)
+        ckpt = await load(store, target, allow_uncommitted)
         if ckpt.problems:
-            raise corrupt_error(base, ckpt)
+            raise corrupt_error(target, ckpt)
         names = sorted(ckpt.files)
         pairs = list(zip([ckpt.file_key(n) for n in names], paths_below(dst, names), strict=True))
         expected = {ckpt.file_key(n): d for n, d in ckpt.files.items() if d is not None}
@@ -249,9 +249,9 @@ async def download_checkpoint_async(
     return await with_store(uri, config, run)
 
 
-def corrupt_error(base: StorageURI, ckpt: Checkpoint) -> CheckpointError:
+def corrupt_error(target: StorageURI, ckpt: Checkpoint) -> CheckpointError:
     """The error for a checkpoint whose metadata failed its checks (``ckpt.problems``)."""
-    return CheckpointError(f"checkpoint {base.raw} is corrupt: " + "; ".join(f"{p.name}: {p.reason}"
+    return CheckpointError(f"checkpoint {target.raw} is corrupt: " + "; ".join(f"{p.name}: {p.reason}"
                                                                              for p in ckpt.problems))
 
 
@@ -264,8 +264,8 @@ async def verify_async(uri: str | StorageURI, *, allow_uncommitted: bool = False
     Corrupt metadata and bad files are reported, not raised; an uncommitted checkpoint raises
     CheckpointError unless ``allow_uncommitted``.
     """
-    async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> VerifyReport:
-        ckpt = await load(store, base, allow_uncommitted)
+    async def run(store: Store, target: StorageURI, cfg: TransferConfig) -> VerifyReport:
+        ckpt = await load(store, target, allow_uncommitted)
         transfer = Transfer(store, cfg, progress)
 
         async def check(name: str, digest: FileDigest | None) -> BadFile | int:
@@ -281,7 +281,7 @@ async def verify_async(uri: str | StorageURI, *, allow_uncommitted: bool = False
         finally:
             transfer.close()
         bad = list(ckpt.problems) + [r for r in results if isinstance(r, BadFile)]
-        return VerifyReport(uri_of(base, base.key), not bad, len(ckpt.files),
+        return VerifyReport(uri_of(target, target.key), not bad, len(ckpt.files),
                             sum(r for r in results if isinstance(r, int)), bad)
 
     return await with_store(uri, config, run)

@@ -98,20 +98,20 @@ async def apply_retention_async(uri: str | StorageURI, policy: Retention, *, dry
                                 config: TransferConfig | None = None) -> list[str]:
     """Remove the committed checkpoints at ``uri`` (itself, or its direct sub-prefixes) that ``policy`` does not
     keep (``dry_run``: only name them); the URIs of those removed, oldest first."""
-    async def run(store: Store, base: StorageURI, cfg: TransferConfig) -> list[str]:
-        doomed = await not_kept(store, base, policy)
+    async def run(store: Store, target: StorageURI, cfg: TransferConfig) -> list[str]:
+        doomed = await not_kept(store, target, policy)
         if not dry_run:
             for key in doomed:
                 await remove_committed(store, key)
-        return [base.with_key(k).uri() for k in doomed]
+        return [target.with_key(k).uri() for k in doomed]
 
     return await with_store(uri, config, run)
 
 
-async def not_kept(store: Store, base: StorageURI, policy: Retention) -> list[str]:
-    """Keys of the committed checkpoints at ``base`` that ``policy`` does not keep, oldest first."""
-    found = await candidates(store, base.key)
-    infos = await gather_bounded([info_of(store, base, k, metas) for k, metas in found], SCAN_CONCURRENCY)
+async def not_kept(store: Store, target: StorageURI, policy: Retention) -> list[str]:
+    """Keys of the committed checkpoints at ``target`` that ``policy`` does not keep, oldest first."""
+    found = await candidates(store, target.key)
+    infos = await gather_bounded([info_of(store, target, k, metas) for k, metas in found], SCAN_CONCURRENCY)
     committed = [(i, k) for i, (k, _) in zip(infos, found, strict=True) if i.state == COMMITTED]
     keep = policy.kept([i for i, _ in committed], time.time())
     return [k for i, k in sorted(committed, key=lambda c: (c[0].committed_at or 0.0, c[0].name)) if i.name not in keep]

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from .. import __version__
 from ..config import parse_size
 from ..tier.agent import IDLE_S
-from ..tier.layout import KEEP
+from ..tier.directory import KEEP
 
 __all__ = ["LOCATIONS", "LOG_LEVELS", "Filter", "bench_root", "build_parser"]
 

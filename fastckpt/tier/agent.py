@@ -29,9 +29,9 @@ from ..deprecation import keywords_only
 from ..engine.open_stores import store_for
 from ..errors import CheckpointError, IntegrityError
 from ..uri import parse_uri
+from .directory import QueueEntry, Tier
 from .drain import drain
 from .handoff import Held, drop_stale_temporaries, finish, handoffs, take_orphan
-from .layout import QueueEntry, Tier
 
 __all__ = ["COMMIT_POLL_S", "COMMIT_WAIT_S", "DRAINED", "DRAINS", "IDLE_S", "POLL_S", "RETRY_S", "agent_pid",
            "agent_running", "ensure_agent", "oldest_queued_s", "resume_drains", "run_agent"]

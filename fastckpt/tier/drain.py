@@ -35,7 +35,7 @@ from ..engine.transfer import Transfer
 from ..errors import AlreadyExistsError, CheckpointError, IntegrityError, ObjectNotFoundError
 from ..stores.base import Store
 from ..uri import StorageURI, join_key, parse_uri
-from .layout import QueueEntry, TierStore
+from .directory import QueueEntry, TierStore
 
 __all__ = ["commit_if_complete", "drain", "read_copy"]
 

@@ -33,7 +33,7 @@ from ..errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
 from ..integrity import FileDigest, combine
 from ..threads import off_loop
 from ..uri import StorageURI, parse_uri
-from .layout import NO_DRAIN, Drain, Tier, TierStore, names_rank, record_name
+from .directory import NO_DRAIN, Drain, Tier, TierStore, names_rank, record_name
 
 __all__ = ["Handoff", "Held", "StagedFile", "drop_stale_temporaries", "finish", "hand_off", "handed", "handoff_dir",
            "handoffs", "hashed_entry", "part_size", "take_orphan"]

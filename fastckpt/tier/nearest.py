@@ -19,7 +19,7 @@ from ..stores.base import Store
 from ..threads import off_loop
 from ..uri import StorageURI, parse_uri
 from .agent import resume_drains
-from .layout import Tier, TierStore
+from .directory import Tier, TierStore
 
 __all__ = ["held_files", "latest_across", "nearest_copy", "tier_checkpoint", "tier_or_group"]
 

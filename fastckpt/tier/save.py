@@ -24,8 +24,8 @@ from ..errors import CheckpointError, ObjectNotFoundError
 from ..threads import off_loop
 from ..uri import StorageURI
 from .agent import ensure_agent
+from .directory import NO_DRAIN, Drain, Tier, TierStore
 from .handoff import handed
-from .layout import NO_DRAIN, Drain, Tier, TierStore
 
 __all__ = ["POLL_S", "commit_in_tier", "known_attempt", "save_to_tier", "supersede", "wait_durable"]
 

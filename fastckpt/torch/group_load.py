@@ -44,14 +44,14 @@ def ranges(size: int, chunk: int, needers: list[int]) -> list[Range]:
     return [(bounds[i], min(bounds[i + 1], size), needers[i]) for i in range(count)]
 
 
-async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, group: Any, state_dict: Any,
+async def load_in_group(target: StorageURI, cfg: TransferConfig, store: Store, group: Any, state_dict: Any,
                         device: str | torch.device | None, rank: int | None, world_size: int | None) -> Any:
     """``load_async`` with ``group=``: every rank of ``group`` calls it, each for the stored rank it names."""
-    call = await GroupCall.of(group, f"load of checkpoint {base.raw} by its process group")
+    call = await GroupCall.of(group, f"load of checkpoint {target.raw} by its process group")
     plan: dict[str, Any] = {}
     if call.rank == 0:
         try:
-            ckpt = await open_checkpoint_async(base, config=cfg, store=store)
+            ckpt = await open_checkpoint_async(target, config=cfg, store=store)
             plan = {"saved": ckpt.info.world_size or 1, "chunks": dict(ckpt.chunks),
                     "files": {n: (d.size, d.chunk_size, d.digest) for n, d in ckpt.files.items() if d is not None},
                     "root": ckpt.root}
@@ -60,28 +60,29 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
     plan = await call.share_plan(plan, store)
     call.raise_first([plan.get("error")])  # rank 0's, known to every rank now
     files = {n: FileDigest(*v) for n, v in plan["files"].items()}
-    base = base.with_key(base.join(plan["root"]))  # the folder of the files (messages keep the URI as given)
+    target = target.with_key(target.join(plan["root"]))  # the folder of the files (messages keep the URI as given)
     names: list[str] = []
     error = None
     try:
-        names = [n for n, _ in state_files(plan["saved"], files, base, rank, world_size)]
+        names = [n for n, _ in state_files(plan["saved"], files, target, rank, world_size)]
     except CheckpointError as exc:
         error = str(exc)
     await call.agree(error)
     everyone = await call.gather(names)
     counts = {len(n) for n in everyone}
     call.raise_first([None if len(counts) == 1 else
-                      f"checkpoint {base.raw}: the ranks' states are in {sorted(counts)} files (saved "
+                      f"checkpoint {target.raw}: the ranks' states are in {sorted(counts)} files (saved "
                       "incrementally and not), so they cannot be loaded together"])
     given = flatten(state_dict)[1] if state_dict is not None else {}
     loaded: dict[str, torch.Tensor] = {}
     if len({n for mine in everyone for n in mine}) == sum(len(mine) for mine in everyone):
-        header = await _load_own(call, files, names, base, cfg, store, given, device, loaded)
+        header = await _load_own(call, files, names, target, cfg, store, given, device, loaded)
     else:
-        stored = {n: StoredFile(base.join(n), d, plan["chunks"].get(n), f"{base.raw}/{n}") for n, d in files.items()}
+        stored = {n: StoredFile(target.join(n), d, plan["chunks"].get(n), f"{target.raw}/{n}")
+                  for n, d in files.items()}
         for name in names:
             header = await load_shared_file(call, stored, name, cfg, store, given, device, loaded)
-    what = f"{base.raw}/{names[-1]}"
+    what = f"{target.raw}/{names[-1]}"
     missing = None
     try:
         check_given(given, loaded, what)
@@ -91,7 +92,7 @@ async def load_in_group(base: StorageURI, cfg: TransferConfig, store: Store, gro
     return state_of(header, loaded, what)
 
 
-async def _load_own(call: GroupCall, files: dict[str, FileDigest], names: list[str], base: StorageURI,
+async def _load_own(call: GroupCall, files: dict[str, FileDigest], names: list[str], target: StorageURI,
                     cfg: TransferConfig, store: Store, given: dict[str, torch.Tensor],
                     device: str | torch.device | None, loaded: dict[str, torch.Tensor]) -> Header:
     """Where no file is loaded by two ranks (each rank a shard of its own), nothing is shared: each rank reads its
@@ -99,7 +100,7 @@ async def _load_own(call: GroupCall, files: dict[str, FileDigest], names: list[s
     transfer, error = Transfer(store, cfg), None
     try:
         for name in names:
-            header = await load_file(transfer, base.join(name), files[name], f"{base.raw}/{name}", given, device,
+            header = await load_file(transfer, target.join(name), files[name], f"{target.raw}/{name}", given, device,
                                      None, loaded)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"

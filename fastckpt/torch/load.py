@@ -22,7 +22,7 @@ from ..integrity import FileDigest
 from ..stores.base import Store
 from ..threads import off_loop
 from ..tier import Tier, nearest_copy
-from ..tier.layout import TierStore
+from ..tier.directory import TierStore
 from ..tier.nearest import tier_or_group
 from ..uri import StorageURI, parse_uri
 from .format import Header, TensorEntry, flatten, header_length, parse_header, state_of
@@ -95,33 +95,33 @@ async def load_async(uri: str | StorageURI, *, state_dict: Any = None, device: s
     when it holds the committed checkpoint's files of ``rank`` (verified against the same digests), else from ``uri``.
     """
     tier_or_group("load", tier, group)
-    base = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
+    target = parse_uri(uri) if not isinstance(uri, StorageURI) else uri
     cfg = config or TransferConfig.from_env()
     if tier is not None:
-        near = await nearest_copy(base, tier if isinstance(tier, Tier) else Tier(tier), [rank or 0], config=cfg)
+        near = await nearest_copy(target, tier if isinstance(tier, Tier) else Tier(tier), [rank or 0], config=cfg)
         if near is not None:
             try:
-                return await _load(TierStore(), near, base, state_dict, device, rank, world_size, cfg, staging)
+                return await _load(TierStore(), near, target, state_dict, device, rank, world_size, cfg, staging)
             except (ObjectNotFoundError, IntegrityError) as exc:  # dropped or recycled under the read: the bucket's
-                log.info("tier copy of %s changed while reading it (%s); reading %s", base.raw, exc, base.raw)
-    async with store_for(base, cfg) as store:
+                log.info("tier copy of %s changed while reading it (%s); reading %s", target.raw, exc, target.raw)
+    async with store_for(target, cfg) as store:
         if group is not None:
             from .group_load import load_in_group
 
-            return await load_in_group(base, cfg, store, group, state_dict, device, rank, world_size)
-        ckpt = await open_checkpoint_async(base, config=cfg, store=store)
-        return await _load(store, ckpt, base, state_dict, device, rank, world_size, cfg, staging)
+            return await load_in_group(target, cfg, store, group, state_dict, device, rank, world_size)
+        ckpt = await open_checkpoint_async(target, config=cfg, store=store)
+        return await _load(store, ckpt, target, state_dict, device, rank, world_size, cfg, staging)
 
 
-async def _load(store: Store, ckpt: Checkpoint, base: StorageURI, state_dict: Any, device: str | torch.device | None,
+async def _load(store: Store, ckpt: Checkpoint, target: StorageURI, state_dict: Any, device: str | torch.device | None,
                 rank: int | None, world_size: int | None, cfg: TransferConfig, staging: Staging | None) -> Any:
-    """Rank ``rank``'s state from opened checkpoint ``ckpt`` (of ``base``) in ``store``."""
+    """Rank ``rank``'s state from opened checkpoint ``ckpt`` (of ``target``) in ``store``."""
     given = flatten(state_dict)[1] if state_dict is not None else {}
     loaded: dict[str, torch.Tensor] = {}
     transfer = Transfer(store, cfg)
     try:
-        for name, digest in state_files(ckpt.info.world_size or 1, ckpt.files, base, rank, world_size):
-            what = f"{base.raw}/{name}"
+        for name, digest in state_files(ckpt.info.world_size or 1, ckpt.files, target, rank, world_size):
+            what = f"{target.raw}/{name}"
             header = await load_file(transfer, ckpt.file_key(name), digest, what, given, device, staging, loaded)
     finally:
         transfer.close()
@@ -161,29 +161,29 @@ async def header_bytes(transfer: Transfer, key: str, size: int, what: str) -> by
     return bytes(head[:need])
 
 
-def rank_entry(saved: int, files: Mapping[str, FileDigest | None], base: StorageURI, rank: int | None,
+def rank_entry(saved: int, files: Mapping[str, FileDigest | None], target: StorageURI, rank: int | None,
                world_size: int | None) -> tuple[str, FileDigest]:
     """The name and digest of ``rank``'s tensor file among ``files`` of a checkpoint ``saved`` ranks wrote (``rank``
     may be left out of a one-rank checkpoint)."""
     if world_size is not None and world_size != saved:
-        raise CheckpointError(f"checkpoint {base.raw} was saved by {saved} rank(s), not {world_size}; "
+        raise CheckpointError(f"checkpoint {target.raw} was saved by {saved} rank(s), not {world_size}; "
                               "load each saved rank's state, or save through fastckpt.torch.dcp to reshard")
     if rank is None:
         if saved != 1:
-            raise CheckpointError(f"checkpoint {base.raw} was saved by {saved} ranks: pass rank=")
+            raise CheckpointError(f"checkpoint {target.raw} was saved by {saved} ranks: pass rank=")
         rank = 0
     name = rank_file(rank)
     digest = files.get(name)
     if digest is None:
-        raise CheckpointError(f"checkpoint {base.raw} holds no tensor state of rank {rank} ({name})")
+        raise CheckpointError(f"checkpoint {target.raw} holds no tensor state of rank {rank} ({name})")
     return name, digest
 
 
-def state_files(saved: int, files: Mapping[str, FileDigest | None], base: StorageURI, rank: int | None,
+def state_files(saved: int, files: Mapping[str, FileDigest | None], target: StorageURI, rank: int | None,
                 world_size: int | None) -> list[tuple[str, FileDigest]]:
     """The files of ``rank``'s state (``rank_entry``): its large tensors' file first where an incremental save wrote
     one, the file with the skeleton last."""
-    name, digest = rank_entry(saved, files, base, rank, world_size)
+    name, digest = rank_entry(saved, files, target, rank, world_size)
     large = name.replace(".safetensors", "-large.safetensors")
     found = files.get(large)
     return ([(large, found)] if found is not None else []) + [(name, digest)]

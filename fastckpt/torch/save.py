@@ -25,7 +25,7 @@ from ..engine.open_stores import store_for
 from ..stores.base import Store
 from ..threads import off_loop
 from ..tier import Tier
-from ..tier.layout import Drain
+from ..tier.directory import Drain
 from ..tier.save import save_to_tier, supersede, wait_durable
 from ..uri import parse_uri
 from .format import Header, build_header, flatten, split_large, with_state

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.barrier import Barrier
+from ..checkpoint.barrier_torch import TorchBarrier, group_place
 from ..deprecation import warn
 from .format import Header
 
@@ -153,21 +154,17 @@ def distributed_defaults(rank: int | None, world_size: int | None, barrier: Barr
             raise ValueError("a save takes group= (a torch.distributed process group) or barrier= (another kind of "
                              "barrier), not both")
         if group is not dist.group.WORLD:
-            from ..checkpoint.barrier_torch import TorchBarrier, group_place
-
             rank, world_size = group_place(group, rank, world_size)
             if id(group) not in _barriers:  # one per group: its gloo twin is made once, on first use
                 _barriers[id(group)] = (group, TorchBarrier(group))
             return rank, world_size, _barriers[id(group)][1]
-    elif barrier is not None and type(barrier).__name__ == "TorchBarrier" and not _ours(barrier):
+    elif barrier is not None and isinstance(barrier, TorchBarrier) and not _ours(barrier):
         warn("barrier=TorchBarrier(group) in a save", "pass the process group as group=", stacklevel=4)
     initialised = dist.is_available() and dist.is_initialized()
     if initialised:
         rank = dist.get_rank() if rank is None else rank
         world_size = dist.get_world_size() if world_size is None else world_size
         if barrier is None and world_size > 1 and world_size == dist.get_world_size():
-            from ..checkpoint.barrier_torch import TorchBarrier
-
             if _gloo is None or _gloo[0] is not dist.group.WORLD:  # first use, or a new process group
                 _gloo = (dist.group.WORLD, TorchBarrier(dist.new_group(backend="gloo")))
             barrier = _gloo[1]

@@ -21,7 +21,7 @@ checked against its recorded digest. ``.metadata`` is unpickled allowing DCP's m
 group and each byte that several ranks need is read from storage once (``group_read``).
 
 ``writer`` (``Writer``), ``reader`` (``Reader``), ``format`` (DCP's open format, both ways), ``location`` (where a
-checkpoint and its items lie), ``layout`` (which items go into which file), ``group_read`` (reads shared over a
+checkpoint and its items lie), ``files`` (which items go into which file), ``group_read`` (reads shared over a
 process group).
 """
 

@@ -38,12 +38,12 @@ from ...stores.base import Store
 from ...tasks import gather_all
 from ...threads import off_loop
 from ...tier import Tier, held_files, tier_checkpoint
-from ...tier.layout import TierStore
+from ...tier.directory import TierStore
 from ...tier.nearest import tier_or_group
 from ...uri import StorageURI
+from .files import Span
 from .format import INDEX, decode_bytes, decode_index, decode_tensor, load_metadata, stored_items
 from .group_read import GroupRead
-from .layout import Span
 from .location import METADATA, StoredItem, _done, _Location, _run, storage_query
 
 __all__ = ["GROUP_BYTES", "SPANS_AHEAD", "Reader"]

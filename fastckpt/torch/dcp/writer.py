@@ -42,13 +42,13 @@ from ...errors import CheckpointError
 from ...stores.base import Store
 from ...threads import off_loop
 from ...tier import Tier, ensure_agent
-from ...tier.layout import Drain, TierStore
+from ...tier.directory import Drain, TierStore
 from ...tier.save import supersede, wait_durable
 from ...uri import StorageURI
 from ..staging import byte_view
 from ..tiered.staging import write_in_tier
+from .files import rank_files
 from .format import INDEX, Encoded, encode, encode_index, exact
-from .layout import rank_files
 from .location import METADATA, StoredItem, _done, _Location, _run, storage_query
 
 __all__ = ["Writer"]

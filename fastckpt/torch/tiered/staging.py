@@ -24,8 +24,8 @@ from ...config import TransferConfig
 from ...engine.layout import Layout
 from ...threads import off_loop
 from ...tier import Tier, TierFullError, ensure_agent
+from ...tier.directory import NO_DRAIN, Drain
 from ...tier.handoff import Handoff, Held, StagedFile, hand_off, hashed_entry, part_size
-from ...tier.layout import NO_DRAIN, Drain
 from ...tier.save import commit_in_tier, known_attempt
 from ...tier.spare import claim, fits, prepare
 from ...uri import StorageURI
