@@ -257,7 +257,7 @@ def prepare_boto3(spec: Spec) -> Timed:
     endpoint, bucket, prefix = _s3(spec)
 
     def run() -> dict[str, Any]:
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        client = boto3.session.Session().client("s3", endpoint_url=endpoint, region_name="us-east-1")
         with create_transfer_manager(client, TransferConfig()) as manager:
             if spec["direction"] == "upload":
                 futures = [manager.upload(path, bucket, f"{prefix}/{rel}") for path, rel in _local_pairs(spec["src"])]

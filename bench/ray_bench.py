@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         endpoint = args.endpoint or gateway.endpoint
         import boto3
 
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        client = boto3.session.Session().client("s3", endpoint_url=endpoint, region_name="us-east-1")
         ray.init(num_cpus=max(2, args.workers), include_dashboard=False, runtime_env={"env_vars": env})
         started = time.time()
         results = run(args, endpoint, client, work)

@@ -183,7 +183,7 @@ class Session:
             import boto3
 
             self.endpoint = self.args.endpoint
-            self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
+            self.client = boto3.session.Session().client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
             self.meta["server"] = {"endpoint": self.endpoint}
             yield
             return

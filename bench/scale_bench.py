@@ -6,7 +6,10 @@ rank alone), through a proxy in front of the S3 gateway that counts what reaches
 
 ``--api torch``: S ranks' files saved with ``fastckpt.torch.save``, loaded with ``fastckpt.torch.load(rank=r % S)``;
 ``--api dcp``: one DCP checkpoint of S tensors (``shard{k}``) saved with the plugin's ``Writer``, each rank loading
-tensor ``shard{r % S}`` with ``dcp.load`` and the plugin's ``Reader``.
+tensor ``shard{r % S}`` with ``dcp.load`` and the plugin's ``Reader``; ``--api safetensors`` (with ``--replicas``
+equal to ``--ranks``): a Llama-shaped bf16 model in the Hugging Face layout (``bench.model_load_bench``) uploaded with
+``fastckpt.upload``, every rank loading all of it with ``fastckpt.torch.load_safetensors``, as the workers of one
+inference server do.
 
 Per run: bytes and requests that reached the store (and the listings among them), wall time (from a barrier to the
 slowest rank's loaded state), the largest peak RSS of a rank, every rank's tensors checked against the saved ones.
@@ -96,6 +99,26 @@ def load_dcp(uri: str, shard: int, numel: int, group: Any) -> Any:
     return state[f"shard{shard}"]
 
 
+def model_digest(tensors: dict[str, Any]) -> str:
+    """One digest of a model's tensors: their names and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(digest_of(tensors[name]).encode())
+    return h.hexdigest()
+
+
+def save_model(uri: str, size: int, shards: int) -> list[str]:
+    """A model of about ``size`` bytes in the Hugging Face layout uploaded to ``uri``; its ``model_digest``."""
+    import fastckpt
+    from bench.model_load_bench import model_tensors, write_model
+
+    with tempfile.TemporaryDirectory() as folder:
+        write_model(size, folder)
+        fastckpt.upload(folder, uri)
+    return [model_digest(model_tensors(size))]
+
+
 def rank_main(rank: int, spec: dict[str, Any]) -> None:
     """One rank: load shard ``rank % shards`` after a barrier; record time, RSS and whether it came back exact."""
     import torch.distributed as dist
@@ -108,13 +131,16 @@ def rank_main(rank: int, spec: dict[str, Any]) -> None:
     dist.barrier()
     started = time.monotonic()
     group = dist.group.WORLD if spec["group"] else None
-    if spec["api"] == "dcp":
+    if spec["api"] == "safetensors":
+        model = ft.load_safetensors(spec["uri"], group=group, config=TransferConfig.from_env())
+    elif spec["api"] == "dcp":
         tensor = load_dcp(spec["uri"], shard, spec["size"] // spec["shards"] // 4, group)
     else:
         tensor = ft.load(spec["uri"], rank=shard, group=group, config=TransferConfig.from_env())["w"]
     seconds = time.monotonic() - started
+    found = model_digest(model) if spec["api"] == "safetensors" else digest_of(tensor)
     record = {"seconds": seconds, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-              "exact": digest_of(tensor) == spec["digests"][shard]}
+              "exact": found == spec["digests"][shard]}
     with open(os.path.join(spec["out"], f"rank-{rank}.json"), "w") as f:
         json.dump(record, f)
     dist.destroy_process_group()
@@ -170,7 +196,7 @@ def main() -> None:
     parser.add_argument("--size", default="512MiB", help="the whole state, over all shards")
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--replicas", type=int, nargs="*", default=[1, 2, 4, 8])
-    parser.add_argument("--api", nargs="*", default=["torch"], choices=["torch", "dcp"])
+    parser.add_argument("--api", nargs="*", default=["torch"], choices=["torch", "dcp", "safetensors"])
     parser.add_argument("--endpoint", help="an S3 endpoint to use instead of starting the JuiceFS gateway")
     parser.add_argument("--bucket", default="bench", help="the bucket (at --endpoint) the shards are saved in")
     parser.add_argument("--rounds", type=int, default=1,
@@ -194,8 +220,12 @@ def main() -> None:
         for api in args.api:
             for replicas in args.replicas:
                 shards = args.ranks // replicas
+                if api == "safetensors" and shards != 1:
+                    raise SystemExit("--api safetensors: every rank loads the whole model; give --replicas N with N "
+                                     "equal to --ranks")
                 uri = f"s3://{args.bucket}/scale-{os.getpid()}-{api}-{shards}?endpoint_override={endpoint}"
-                digests = (save_dcp if api == "dcp" else save_shards)(uri, size, shards)
+                save = {"dcp": save_dcp, "safetensors": save_model}.get(api, save_shards)
+                digests = save(uri, size, shards)
                 runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
                 for i in range(args.rounds):
                     for group in (True, False) if i % 2 == 0 else (False, True):

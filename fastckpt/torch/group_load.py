@@ -13,6 +13,7 @@ the outcome.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from ..uri import StorageURI
 from .format import Header, flatten, parse_header, state_of
 from .load import StoredFile, Target, check_given, destinations, file_layout, header_bytes, load_file, state_files
 
-__all__ = ["Range", "load_in_group", "load_shared_file", "ranges"]
+__all__ = ["Loading", "Range", "load_in_group", "load_shared_file", "ranges"]
 
 Range = tuple[int, int, int]
 """(start, end, owner rank) of a part of one file."""
@@ -44,27 +45,48 @@ def ranges(size: int, chunk: int, needers: list[int]) -> list[Range]:
     return [(bounds[i], min(bounds[i + 1], size), needers[i]) for i in range(count)]
 
 
+@dataclass(frozen=True)
+class Loading:
+    """Where a group load's tensors go: the store and settings they are read with, the caller's tensors to fill
+    (``given``, by name), the device of new ones, and ``loaded``, which receives every tensor by name."""
+
+    store: Store
+    cfg: TransferConfig
+    given: dict[str, torch.Tensor]
+    device: str | torch.device | None
+    loaded: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What group rank 0 learnt of the checkpoint and tells the others: how many ranks saved it, and its files."""
+
+    saved: int
+    files: dict[str, StoredFile]
+
+
 async def load_in_group(target: StorageURI, cfg: TransferConfig, store: Store, group: Any, state_dict: Any,
                         device: str | torch.device | None, rank: int | None, world_size: int | None) -> Any:
     """``load_async`` with ``group=``: every rank of ``group`` calls it, each for the stored rank it names."""
     call = await GroupCall.of(group, f"load of checkpoint {target.raw} by its process group")
-    plan: dict[str, Any] = {}
+    shared: dict[str, Any] = {}
     if call.rank == 0:
         try:
             ckpt = await open_checkpoint_async(target, config=cfg, store=store)
-            plan = {"saved": ckpt.info.world_size or 1, "chunks": dict(ckpt.chunks),
-                    "files": {n: (d.size, d.chunk_size, d.digest) for n, d in ckpt.files.items() if d is not None},
-                    "root": ckpt.root}
+            at = target.with_key(target.join(ckpt.root))  # the folder of the files (messages keep the URI as given)
+            shared = {"plan": _Plan(ckpt.info.world_size or 1, {
+                n: StoredFile(at.join(n), d, ckpt.chunks.get(n), f"{at.raw}/{n}")
+                for n, d in ckpt.files.items() if d is not None})}
         except Exception as exc:
-            plan = {"error": f"{type(exc).__name__}: {exc}"}
-    plan = await call.share_plan(plan, store)
-    call.raise_first([plan.get("error")])  # rank 0's, known to every rank now
-    files = {n: FileDigest(*v) for n, v in plan["files"].items()}
-    target = target.with_key(target.join(plan["root"]))  # the folder of the files (messages keep the URI as given)
+            shared = {"error": f"{type(exc).__name__}: {exc}"}
+    shared = await call.share_plan(shared, store)
+    call.raise_first([shared.get("error")])  # rank 0's, known to every rank now
+    plan: _Plan = shared["plan"]
     names: list[str] = []
     error = None
     try:
-        names = [n for n, _ in state_files(plan["saved"], files, target, rank, world_size)]
+        names = [n for n, _ in state_files(plan.saved, {n: f.digest for n, f in plan.files.items()}, target, rank,
+                                            world_size)]
     except CheckpointError as exc:
         error = str(exc)
     await call.agree(error)
@@ -73,35 +95,29 @@ async def load_in_group(target: StorageURI, cfg: TransferConfig, store: Store, g
     call.raise_first([None if len(counts) == 1 else
                       f"checkpoint {target.raw}: the ranks' states are in {sorted(counts)} files (saved "
                       "incrementally and not), so they cannot be loaded together"])
-    given = flatten(state_dict)[1] if state_dict is not None else {}
-    loaded: dict[str, torch.Tensor] = {}
+    into = Loading(store, cfg, flatten(state_dict)[1] if state_dict is not None else {}, device)
     if len({n for mine in everyone for n in mine}) == sum(len(mine) for mine in everyone):
-        header = await _load_own(call, files, names, target, cfg, store, given, device, loaded)
+        header = await _load_own(call, [plan.files[n] for n in names], into)
     else:
-        stored = {n: StoredFile(target.join(n), d, plan["chunks"].get(n), f"{target.raw}/{n}")
-                  for n, d in files.items()}
         for name in names:
-            header = await load_shared_file(call, stored, name, cfg, store, given, device, loaded)
-    what = f"{target.raw}/{names[-1]}"
+            header = await load_shared_file(call, plan.files, name, into)
+    what = plan.files[names[-1]].what
     missing = None
     try:
-        check_given(given, loaded, what)
+        check_given(into.given, into.loaded, what)
     except CheckpointError as exc:
         missing = str(exc)
     await call.agree(missing)
-    return state_of(header, loaded, what)
+    return state_of(header, into.loaded, what)
 
 
-async def _load_own(call: GroupCall, files: dict[str, FileDigest], names: list[str], target: StorageURI,
-                    cfg: TransferConfig, store: Store, given: dict[str, torch.Tensor],
-                    device: str | torch.device | None, loaded: dict[str, torch.Tensor]) -> Header:
+async def _load_own(call: GroupCall, files: list[StoredFile], into: Loading) -> Header:
     """Where no file is loaded by two ranks (each rank a shard of its own), nothing is shared: each rank reads its
     own files as it would alone, then the ranks agree on the outcome. The last file's header is returned."""
-    transfer, error = Transfer(store, cfg), None
+    transfer, error = Transfer(into.store, into.cfg), None
     try:
-        for name in names:
-            header = await load_file(transfer, target.join(name), files[name], f"{target.raw}/{name}", given, device,
-                                     None, loaded)
+        for f in files:
+            header = await load_file(transfer, f.key, f.digest, f.what, into.given, into.device, None, into.loaded)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -110,16 +126,14 @@ async def _load_own(call: GroupCall, files: dict[str, FileDigest], names: list[s
     return header
 
 
-async def load_shared_file(call: GroupCall, stored: dict[str, StoredFile], name: str, cfg: TransferConfig,
-                           store: Store, given: dict[str, torch.Tensor], device: str | torch.device | None,
-                           loaded: dict[str, torch.Tensor]) -> Header:
+async def load_shared_file(call: GroupCall, stored: dict[str, StoredFile], name: str, into: Loading) -> Header:
     """One file of ``stored`` that this rank loads, read once for the group (every rank calls this the same number of
-    times, each for its own file ``name``); its tensors go into ``loaded``, its header is returned."""
+    times, each for its own file ``name``); its tensors go into ``into.loaded``, its header is returned."""
     wanted = await call.gather(name)
     digest, key, what = stored[name].digest, stored[name].key, stored[name].what
     needers = [r for r, n in enumerate(wanted) if n == name]
     parts = ranges(digest.size, digest.chunk_size, needers)
-    transfer = Transfer(store, cfg)
+    transfer = Transfer(into.store, into.cfg)
     try:
         raw, error = await _header(transfer, key, digest, what) if needers[0] == call.rank else (b"", None)
         headers = await call.gather((raw, error))
@@ -130,7 +144,7 @@ async def load_shared_file(call: GroupCall, stored: dict[str, StoredFile], name:
             header = parse_header(headers[needers[0]][0], digest.size, what)
             targets = [Target(t.entry, t.tensor, t.bounce if t.dest.device.type == "cpu" else
                               torch.empty(t.entry.shape, dtype=t.entry.dtype))
-                       for t in destinations(header, given, torch.device(device or "cpu"), what)]
+                       for t in destinations(header, into.given, torch.device(into.device or "cpu"), what)]
             head = bytearray(header.data_start)
             layout = file_layout(header, targets, head)
             for start, end, owner in parts:
@@ -160,7 +174,7 @@ async def load_shared_file(call: GroupCall, stored: dict[str, StoredFile], name:
     for t in targets:
         if t.bounce is not None:
             t.tensor.copy_(t.bounce)
-    loaded.update((t.entry.name, t.tensor) for t in targets)
+    into.loaded.update((t.entry.name, t.tensor) for t in targets)
     return header
 
 

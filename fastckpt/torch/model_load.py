@@ -96,7 +96,7 @@ async def _load_in_group(target: StorageURI, cfg: TransferConfig, store: Store, 
     rank 0 finds the files and their digests and tells the others, then the ranks load the files one by one, each
     reading its range and sending it to the rest."""
     from ..checkpoint.group import GroupCall
-    from .group_load import load_shared_file
+    from .group_load import Loading, load_shared_file
 
     call = await GroupCall.of(group, f"load of model {target.raw} by its process group")
     plan: dict[str, Any] = {}
@@ -111,8 +111,9 @@ async def _load_in_group(target: StorageURI, cfg: TransferConfig, store: Store, 
     stored = {f.key: f for f in files}
     found: list[dict[str, torch.Tensor]] = []
     for f in files:
-        found.append({})
-        await load_shared_file(call, stored, f.key, cfg, store, {}, device, found[-1])
+        into = Loading(store, cfg, {}, device)
+        await load_shared_file(call, stored, f.key, into)
+        found.append(into.loaded)
         done(f.what)
     return found
 

@@ -174,7 +174,8 @@ def test_checkpoints_saved_as_folders_still_load_and_remove(tmp_path: Path) -> N
     assert os.listdir(tmp_path) == ["state.pt"]
 
 
-def test_a_save_killed_midway_leaves_the_old_checkpoint(moto_server, tmp_path: Path) -> None:
+def test_a_save_killed_midway_leaves_the_old_checkpoint(moto_server, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A process saving over ``last.ckpt`` through a slow link is killed while its upload runs: the old checkpoint
     still loads, verified, through the plugin and as a plain file; the next save replaces it."""
     path = f"{BUCKET}/killed-{uuid.uuid4().hex[:8]}/last.ckpt"
@@ -199,7 +200,7 @@ def test_a_save_killed_midway_leaves_the_old_checkpoint(moto_server, tmp_path: P
         fl.CheckpointIO().save_checkpoint({"w": torch.arange(2)}, uri)
         assert torch.equal(fl.CheckpointIO().load_checkpoint(uri)["w"], torch.arange(2))
         assert len(_records(_sidecar(uri))) == 1
-    os.environ.setdefault("AWS_ENDPOINT_URL", moto_server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
     assert torch.equal(read_file(f"fastckpt://s3://{path}?endpoint_override={moto_server.endpoint}")["w"],
                        torch.arange(2))
 
