@@ -99,11 +99,7 @@ async def apply_retention_async(uri: str | StorageURI, policy: Retention, *, dry
     """Remove the committed checkpoints at ``uri`` (itself, or its direct sub-prefixes) that ``policy`` does not
     keep (``dry_run``: only name them); the URIs of those removed, oldest first."""
     async def run(store: Store, target: StorageURI, cfg: TransferConfig) -> list[str]:
-        doomed = await not_kept(store, target, policy)
-        if not dry_run:
-            for key in doomed:
-                await remove_committed(store, key)
-        return [target.with_key(k).uri() for k in doomed]
+        return [target.with_key(k).uri() for k in await _remove_not_kept(store, target, policy, dry_run)]
 
     return await with_store(uri, config, run)
 
@@ -125,13 +121,20 @@ async def retain_beside(store: Store, target: StorageURI, policy: Retention | No
         return []
     parent = target.with_key(posixpath.dirname(target.key.rstrip("/")))
     try:
-        doomed = await not_kept(store, parent, policy)
-        for key in doomed:
-            await remove_committed(store, key)
-        return doomed
+        return await _remove_not_kept(store, parent, policy)
     except Exception as exc:
         log.warning("retention after the commit of %s failed (the next save or gc tries again): %s", target.raw, exc)
         return []
+
+
+async def _remove_not_kept(store: Store, target: StorageURI, policy: Retention, dry_run: bool = False) -> list[str]:
+    """Remove the committed checkpoints at ``target`` that ``policy`` does not keep (``dry_run``: none); their keys,
+    oldest first."""
+    doomed = await not_kept(store, target, policy)
+    if not dry_run:
+        for key in doomed:
+            await remove_committed(store, key)
+    return doomed
 
 
 async def remove_committed(store: Store, key: str) -> None:

@@ -27,6 +27,7 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from ..checkpoint.manifest import META_DIR
 from ..checkpoint.retention import Retention
@@ -79,13 +80,9 @@ class Drain:
     base: str | None = None
     retention: Retention | None = None
 
-    def doc(self) -> dict[str, object]:
-        """The fields a queue entry or hand-off record keeps (JSON-able)."""
-        return {"base": self.base, "retention": None if self.retention is None else asdict(self.retention)}
-
     @classmethod
     def from_doc(cls, doc: dict) -> Drain:
-        """Read back from a record written by ``doc`` (or before retention, with ``base`` alone)."""
+        """Read back from a record ``encode_record`` wrote (or one written before retention, with ``base`` alone)."""
         kept = doc.get("retention")
         return cls(None if doc.get("base") is None else str(doc["base"]),
                    None if kept is None else Retention(**kept))
@@ -93,6 +90,14 @@ class Drain:
 
 NO_DRAIN = Drain()
 """A plain drain: every byte sent, nothing removed."""
+
+
+def encode_record(record: Any) -> bytes:
+    """A queue entry or hand-off record as JSON bytes, its ``drain`` fields at the top level (where records written
+    before ``Drain`` kept ``base``)."""
+    doc = asdict(record)
+    doc.update(doc.pop("drain"))
+    return json.dumps(doc).encode()
 
 
 @dataclass(frozen=True)
@@ -113,9 +118,7 @@ class QueueEntry:
 
     def encode(self) -> bytes:
         """JSON bytes."""
-        doc = asdict(self)
-        del doc["drain"]
-        return json.dumps({**doc, **self.drain.doc()}).encode()
+        return encode_record(self)
 
     @classmethod
     def decode(cls, data: bytes, where: str) -> QueueEntry:

@@ -22,7 +22,7 @@ import mmap
 import os
 import secrets
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..checkpoint.documents import read_object
 from ..checkpoint.manifest import CommitMarker, FileEntry, RankManifest, marker_key, meta_prefix, rank_key
@@ -33,7 +33,7 @@ from ..errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
 from ..integrity import FileDigest, combine
 from ..threads import off_loop
 from ..uri import StorageURI, parse_uri
-from .directory import NO_DRAIN, Drain, Tier, TierStore, names_rank, record_name
+from .directory import NO_DRAIN, Drain, Tier, TierStore, encode_record, names_rank, record_name
 
 __all__ = ["Handoff", "Held", "StagedFile", "drop_stale_temporaries", "finish", "hand_off", "handed", "handoff_dir",
            "handoffs", "hashed_entry", "part_size", "take_orphan"]
@@ -76,9 +76,7 @@ class Handoff:
 
     def encode(self) -> bytes:
         """JSON bytes."""
-        doc = asdict(self)
-        del doc["drain"]
-        return json.dumps({**doc, **self.drain.doc()}).encode()
+        return encode_record(self)
 
     @classmethod
     def decode(cls, data: bytes, where: str) -> Handoff:

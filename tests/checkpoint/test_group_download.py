@@ -54,6 +54,20 @@ def served(endpoint: str, uri: str, tmp_path: Path, mode: str, keys: list[list[s
         return shared, alone, once, proxy.moved["down"] - once
 
 
+def flip_byte(path: Path, at: int) -> None:
+    """The byte at offset ``at`` (negative: from the end) of the file ``path`` changed in place."""
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def one_error(records: list[dict]) -> str:
+    """The error every rank failed with: one, the same on all of them."""
+    errors = {r["error"] for r in records}
+    assert len(errors) == 1 and not any(r["ok"] for r in records), errors
+    return errors.pop()
+
+
 def committed(uri: str, tmp_path: Path) -> dict[str, str]:
     """A committed checkpoint of ``SIZES`` at ``uri``; the sha256 of each file."""
     src = tmp_path / "src"
@@ -88,9 +102,7 @@ def test_a_failure_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
     victim = tmp_path / "store/step-1/model-00002.safetensors"
     victim.write_bytes(os.urandom(victim.stat().st_size))
     records = job(tmp_path, uri)
-    errors = {r["error"] for r in records}
-    assert len(errors) == 1 and not any(r["ok"] for r in records), errors
-    assert "digest mismatch" in errors.pop()
+    assert "digest mismatch" in one_error(records)
     assert not any("model-00002.safetensors" in r["files"] for r in records)
 
 
@@ -101,9 +113,8 @@ def test_a_file_unreadable_mid_exchange_fails_every_rank_in_step(tmp_path: Path)
     uri = f"file://{tmp_path}/store/step-1"
     committed(uri, tmp_path)
     records = job(tmp_path, uri, unreadable=1)
-    errors = {r["error"] for r in records}
-    assert len(records) == WORLD and len(errors) == 1 and not any(r["ok"] for r in records), errors
-    error = errors.pop()
+    assert len(records) == WORLD
+    error = one_error(records)
     assert "rank 1" in error and "model-00002.safetensors" in error, error
     assert all(r["seconds"] < 60 for r in records)
 
@@ -145,14 +156,9 @@ def test_an_incremental_state_loads_in_a_group(tmp_path: Path) -> None:
 def test_a_corrupt_state_fails_every_loading_rank(tmp_path: Path) -> None:
     uri = f"file://{tmp_path}/store/state"
     saved_state(uri)
-    victim = tmp_path / "store/state/rank-00000.safetensors"
-    data = bytearray(victim.read_bytes())
-    data[-5] ^= 0xFF  # the last chunk: fetched by the last rank
-    victim.write_bytes(bytes(data))
+    flip_byte(tmp_path / "store/state/rank-00000.safetensors", -5)  # the last chunk: fetched by the last rank
     records = job(tmp_path, uri, mode="load")
-    errors = {r["error"] for r in records}
-    assert len(errors) == 1 and not any(r["ok"] for r in records), errors
-    assert "differ from the manifest" in errors.pop()
+    assert "differ from the manifest" in one_error(records)
 
 
 def test_each_rank_loading_a_shard_of_its_own(tmp_path: Path) -> None:
@@ -179,14 +185,9 @@ def test_each_rank_loading_a_shard_of_its_own(tmp_path: Path) -> None:
         t.join()
     records = job(tmp_path, uri, mode="own")
     assert [r["files"] for r in records] == [want[r] for r in range(WORLD)], [r["error"] for r in records]
-    victim = tmp_path / "store/shards/rank-00001.safetensors"
-    data = bytearray(victim.read_bytes())
-    data[-5] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    flip_byte(tmp_path / "store/shards/rank-00001.safetensors", -5)
     records = job(tmp_path, uri, mode="own")
-    errors = {r["error"] for r in records}
-    assert len(errors) == 1 and not any(r["ok"] for r in records), errors
-    assert "on rank 1" in (error := errors.pop()) and "rank-00001.safetensors" in error, error
+    assert "on rank 1" in (error := one_error(records)) and "rank-00001.safetensors" in error, error
 
 
 DCP_SHAPES = {"embed": (1024, 768), "head": (768, 512), "norm": (4096,)}
@@ -232,9 +233,7 @@ def test_dcp_reader_in_a_group_fails_every_rank_on_a_corrupt_chunk(tmp_path: Pat
     uri = f"file://{tmp_path}/store/dcp"
     dcp_saved(uri)
     victim = tmp_path / "store/dcp/rank-00000.distcp"
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    flip_byte(victim, victim.stat().st_size // 2)
     records = job(tmp_path, uri, mode="dcp", keys=[sorted(DCP_SHAPES)] * WORLD)
     assert len(records) == WORLD and not any(r["ok"] for r in records), records
     assert all("do not match their recorded chunk digests" in r["error"] for r in records), records
@@ -297,12 +296,8 @@ def test_a_changed_model_shard_fails_every_rank(tmp_path: Path) -> None:
     hf_model(tmp_path / "model")
     with fastckpt.SyncCheckpointWriter(uri) as w:
         w.put_dir(tmp_path / "model")
-    victim = tmp_path / "store/model/model-00002-of-00002.safetensors"
-    data = bytearray(victim.read_bytes())
-    data[-100] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    flip_byte(tmp_path / "store/model/model-00002-of-00002.safetensors", -100)
     records = job(tmp_path, uri, mode="safetensors")
-    errors = {r["error"] for r in records}
-    assert len(records) == WORLD and len(errors) == 1 and not any(r["ok"] for r in records), errors
-    error = errors.pop()
+    assert len(records) == WORLD
+    error = one_error(records)
     assert "model-00002-of-00002.safetensors" in error and "differ" in error, error
