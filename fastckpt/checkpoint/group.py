@@ -7,7 +7,7 @@ first rank's failure raised on every rank; and the one way bytes move between ra
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -102,13 +102,21 @@ class GroupCall:
         await self.run(lambda: dist.broadcast_object_list(box, src=self.global_rank(0), group=self.gloo))
         return box[0]
 
-    async def share_plan(self, plan: dict[str, Any], store: Store) -> dict[str, Any]:
-        """Rank 0's ``plan`` on every rank, with what rank 0's ``store`` learned of its location (``Store.learned``:
-        the other ranks' stores take it, rather than each asking the store again)."""
-        shared = await self.share({**plan, STORE_LEARNED: store.learned()} if self.rank == 0 else plan)
+    async def from_root(self, make: Callable[[], Awaitable[T]], store: Store) -> T:
+        """``make()``, run on rank 0, on every rank, with what rank 0's ``store`` learned of its location
+        (``Store.learned``: the other ranks' stores take it, rather than each asking the store again); a failure of
+        ``make()`` raised on every rank, in the same words."""
+        plan: dict[str, Any] = {}
+        if self.rank == 0:
+            try:
+                plan = {"value": await make(), STORE_LEARNED: store.learned()}
+            except Exception as exc:  # every rank raises it, once they have it
+                plan = {"error": f"{type(exc).__name__}: {exc}", STORE_LEARNED: store.learned()}
+        shared = await self.share(plan)
         if self.rank:
             store.assume(shared.get(STORE_LEARNED) or {})
-        return shared
+        self.raise_first([shared.get("error")])
+        return shared["value"]
 
     async def gather(self, value: T) -> list[T]:
         """Every rank's ``value``, by rank, on every rank."""

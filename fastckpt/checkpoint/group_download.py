@@ -41,17 +41,9 @@ async def download_in_group(store: Store, target: StorageURI, cfg: TransferConfi
     """``download_checkpoint_async`` with ``group=``: every rank of ``group`` calls it, and each ends with the
     whole checkpoint below its own ``dst``."""
     call = await GroupCall.of(group, f"download of checkpoint {target.raw} by its process group")
-    plan: dict[str, Any] = {}
-    if call.rank == 0:
-        try:
-            planned, root = await _plan(store, target, allow_uncommitted, call.size)
-            plan = {"files": planned, "root": root}
-        except Exception as exc:  # every rank raises it, once they have it
-            plan = {"error": f"{type(exc).__name__}: {exc}"}
-    plan = await call.share_plan(plan, store)
-    call.raise_first([plan.get("error")])  # rank 0's, known to every rank now
-    files: list[Planned] = [tuple(f) for f in plan["files"]]  # type: ignore[misc]
-    target = target.with_key(target.join(plan["root"]))  # the folder of the files (messages keep the URI as given)
+    planned, root = await call.from_root(lambda: _plan(store, target, allow_uncommitted, call.size), store)
+    files: list[Planned] = [tuple(f) for f in planned]  # type: ignore[misc]
+    target = target.with_key(target.join(root))  # the folder of the files (messages keep the URI as given)
     paths = dict(zip([f[0] for f in files], paths_below(dst, [f[0] for f in files]), strict=True))
     mine = [f for f in files if f[4] == call.rank]
     transfer = Transfer(store, cfg, progress)

@@ -69,19 +69,14 @@ async def load_in_group(target: StorageURI, cfg: TransferConfig, store: Store, g
                         device: str | torch.device | None, rank: int | None, world_size: int | None) -> Any:
     """``load_async`` with ``group=``: every rank of ``group`` calls it, each for the stored rank it names."""
     call = await GroupCall.of(group, f"load of checkpoint {target.raw} by its process group")
-    shared: dict[str, Any] = {}
-    if call.rank == 0:
-        try:
-            ckpt = await open_checkpoint_async(target, config=cfg, store=store)
-            at = target.with_key(target.join(ckpt.root))  # the folder of the files (messages keep the URI as given)
-            shared = {"plan": _Plan(ckpt.info.world_size or 1, {
-                n: StoredFile(at.join(n), d, ckpt.chunks.get(n), f"{at.raw}/{n}")
-                for n, d in ckpt.files.items() if d is not None})}
-        except Exception as exc:
-            shared = {"error": f"{type(exc).__name__}: {exc}"}
-    shared = await call.share_plan(shared, store)
-    call.raise_first([shared.get("error")])  # rank 0's, known to every rank now
-    plan: _Plan = shared["plan"]
+
+    async def planned() -> _Plan:
+        ckpt = await open_checkpoint_async(target, config=cfg, store=store)
+        at = target.with_key(target.join(ckpt.root))  # the folder of the files (messages keep the URI as given)
+        return _Plan(ckpt.info.world_size or 1, {n: StoredFile(at.join(n), d, ckpt.chunks.get(n), f"{at.raw}/{n}")
+                                                 for n, d in ckpt.files.items() if d is not None})
+
+    plan = await call.from_root(planned, store)
     names: list[str] = []
     error = None
     try:

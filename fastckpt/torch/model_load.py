@@ -99,15 +99,7 @@ async def _load_in_group(target: StorageURI, cfg: TransferConfig, store: Store, 
     from .group_load import Loading, load_shared_file
 
     call = await GroupCall.of(group, f"load of model {target.raw} by its process group")
-    plan: dict[str, Any] = {}
-    if call.rank == 0:
-        try:
-            plan = {"files": await model_files(store, target, cfg)}
-        except Exception as exc:
-            plan = {"error": f"{type(exc).__name__}: {exc}"}
-    plan = await call.share_plan(plan, store)
-    call.raise_first([plan.get("error")])
-    files: list[StoredFile] = plan["files"]
+    files = await call.from_root(lambda: model_files(store, target, cfg), store)
     stored = {f.key: f for f in files}
     found: list[dict[str, torch.Tensor]] = []
     for f in files:

@@ -156,17 +156,8 @@ class Reader(_Location, StorageReader):
     async def _shared_metadata(self) -> tuple[Checkpoint, bytes, bytes | None]:
         """``_metadata`` read by group rank 0 and handed to the others; its failure raised on every rank."""
         call = await GroupCall.of(self.group, f"DCP load of {self.uri} by its process group")
-        shared: dict[str, Any] = {}
-        if call.rank == 0:
-            try:
-                ckpt, raw, index = await self._metadata()
-                shared = {"checkpoint": ckpt, "metadata": raw, "index": index}
-            except Exception as exc:
-                shared = {"error": f"{type(exc).__name__}: {exc}"}
         async with self._store() as (_, _, store):
-            shared = await call.share_plan(shared, store)
-        call.raise_first([shared.get("error")])
-        return shared["checkpoint"], shared["metadata"], shared["index"]
+            return await call.from_root(self._metadata, store)
 
     def set_up_storage_reader(self, metadata: dcp_meta.Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
