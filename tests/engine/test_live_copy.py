@@ -7,12 +7,13 @@ strict, for one part and many alike."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,49 +33,52 @@ MiB = 1 << 20
 
 
 @contextmanager
-def growing(path: Path, start: int, every: float = 0.0002) -> Iterator[None]:
-    """``path`` holds a counted byte pattern of ``start`` bytes and keeps being appended to, as an event log is."""
-    pattern = bytes(range(256)) * 4096
-    path.write_bytes(pattern[:start])
+def repeating(step: Callable[[], None]) -> Iterator[None]:
+    """``step()`` run again and again on a thread of its own while the block runs."""
     stop = threading.Event()
 
-    def append() -> None:
-        with open(path, "ab", buffering=0) as f:
-            while not stop.is_set():
-                at = f.tell() % 256
-                f.write(pattern[at:at + 97])
-                time.sleep(every)
+    def run() -> None:
+        while not stop.is_set():
+            step()
 
-    writer = threading.Thread(target=append, daemon=True)
-    writer.start()
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
     try:
         yield
     finally:
         stop.set()
-        writer.join()
+        worker.join()
+
+
+@contextmanager
+def growing(path: Path, start: int, every: float = 0.0002) -> Iterator[None]:
+    """``path`` holds a counted byte pattern of ``start`` bytes and keeps being appended to, as an event log is."""
+    pattern = bytes(range(256)) * 4096
+    path.write_bytes(pattern[:start])
+    with open(path, "ab", buffering=0) as f:
+        def append() -> None:
+            at = f.tell() % 256
+            f.write(pattern[at:at + 97])
+            time.sleep(every)
+
+        with repeating(append):
+            yield
 
 
 @contextmanager
 def renamed_into_place(path: Path) -> Iterator[None]:
     """``path`` keeps being replaced the way Tune writes its state: a hidden temporary file, then a rename."""
     path.write_bytes(b"{}")
-    stop = threading.Event()
+    count = itertools.count(1)
 
     def replace() -> None:
-        n = 0
-        while not stop.is_set():
-            n += 1
-            tmp = path.with_name(f".{n}-tmp-{path.name}")
-            tmp.write_bytes(b"{\"n\": %d}" % n)
-            os.replace(tmp, path)
+        n = next(count)
+        tmp = path.with_name(f".{n}-tmp-{path.name}")
+        tmp.write_bytes(b"{\"n\": %d}" % n)
+        os.replace(tmp, path)
 
-    writer = threading.Thread(target=replace, daemon=True)
-    writer.start()
-    try:
+    with repeating(replace):
         yield
-    finally:
-        stop.set()
-        writer.join()
 
 
 def live_tree(root: Path, part: int) -> dict[str, bytes]:
